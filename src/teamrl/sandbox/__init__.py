@@ -1,0 +1,1 @@
+"""teamrl.sandbox."""
