@@ -1,1 +1,6 @@
-"""teamrl.envs."""
+"""Environments: the Dec-POMDP interface and the built-in tasks."""
+
+from teamrl.envs.base import ENVIRONMENTS, Environment, Step, make_env, register_env
+from teamrl.envs.digit_sum import DigitSumGame
+
+__all__ = ["ENVIRONMENTS", "DigitSumGame", "Environment", "Step", "make_env", "register_env"]

@@ -1,0 +1,109 @@
+"""The per-agent policy loss (paper Eq. 2) with PPO-style clipping and an optional KL penalty.
+
+With one pass over the rollout the ratio is exactly 1 and the gradient is that of
+A * log pi(a | o): Eq. 2. Later passes over the same rollout are off-policy and the clipped ratio
+keeps them close to the sampling policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
+    """Make a token-loss aggregation ((B, C) per-token loss, (B, C) mask -> summed loss) selectable by name."""
+
+    def wrap(fn: Aggregation) -> Aggregation:
+        AGGREGATIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_aggregation("token_sum")
+def token_sum(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over a sequence's tokens (log pi of the whole completion, as in the paper), summed over sequences."""
+    return (token_loss * mask).sum()
+
+
+@register_aggregation("sequence_mean")
+def sequence_mean(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each sequence's tokens, summed over sequences (the original GRPO)."""
+    return ((token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
+
+
+# 'token_mean' (DAPO) sums like 'token_sum'; it differs in its normalizer: tokens of the batch, not sequences.
+AGGREGATIONS["token_mean"] = token_sum
+
+
+def loss_normalizer(masks: list[torch.Tensor], aggregation: str) -> float:
+    """What the summed loss of a whole update is divided by: its token count for 'token_mean', else its sequences.
+
+    Computed once over all micro-batches, so accumulating micro-batch gradients gives exactly the
+    gradient of the full batch.
+    """
+    if aggregation == "token_mean":
+        return float(sum(int(m.sum()) for m in masks))
+    return float(sum(m.shape[0] for m in masks))
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate exp(d) - d - 1 with d = log pi_ref - log pi: unbiased and >= 0."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    aggregation: str,
+    normalizer: float,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of one micro-batch, and statistics for logging.
+
+    Args:
+        logprobs: (B, C) log pi_theta of the completion tokens (with grad).
+        old_logprobs: (B, C) log-probs under the policy that sampled them (no grad).
+        advantages: (B,) one advantage per completion, shared by all its tokens.
+        mask: (B, C) 1 on trained tokens: only these contribute, everything else gets exactly zero gradient.
+        aggregation: a name in :data:`AGGREGATIONS`.
+        normalizer: :func:`loss_normalizer` of the whole update this micro-batch belongs to.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"algorithm.logprob_aggregation: unknown {aggregation!r}; registered: {', '.join(AGGREGATIONS)}")
+    mask = mask.to(logprobs.dtype)
+    # Masked positions are zeroed before exp() so that garbage there cannot turn into inf * 0 = nan.
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
+    token_loss = -torch.minimum(unclipped, clipped)
+    kl = None
+    if ref_logprobs is not None and kl_coef > 0:
+        kl = kl_k3(logprobs, ref_logprobs) * mask
+        token_loss = token_loss + kl_coef * kl
+    loss = AGGREGATIONS[aggregation](token_loss, mask) / normalizer
+    with torch.no_grad():
+        tokens = mask.sum().clamp(min=1)
+        was_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        stats = {
+            "clip_fraction": float((was_clipped * mask).sum() / tokens),
+            "ratio_mean": float((ratio * mask).sum() / tokens),
+            "tokens": float(mask.sum()),
+        }
+        if kl is not None:
+            stats["kl"] = float(kl.sum() / tokens)
+    return loss, stats

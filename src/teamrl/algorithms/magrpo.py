@@ -1,0 +1,209 @@
+"""MAGRPO: Multi-Agent Group Relative Policy Optimization (Liu et al., arXiv 2508.04652), in one file.
+
+One training step for a batch of items:
+
+1. Rollout (:func:`rollout`). At turn 1 every agent samples G completions of its own observation of
+   each item. Joint actions pair them ('aligned': the g-th of every agent, G joint actions; 'cross':
+   every combination, G^n). Each joint action gets one joint reward r. For T > 1, every joint action
+   (unless early termination stopped it) is a node from which the environment gives each agent its next
+   observation, and every agent again samples G completions: an aligned tree with G^T leaves.
+2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf,
+   R = r + gamma * mean(R of the children) at an inner node.
+3. Advantages, paper Eq. 1 (:func:`~teamrl.algorithms.advantages.group_advantages`): over the
+   joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
+   is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
+   gets the mean over the joint actions it is in).
+4. Update, paper Eq. 2 (:func:`update_agent`): each agent, with its own optimiser, maximises
+   mean_g A_g * log pi_theta_i(a_i^g | o_i) over its completions of every turn, with optional PPO-style
+   clipping over several passes and a KL penalty to its reference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
+from teamrl.algorithms.losses import loss_normalizer, policy_loss
+from teamrl.config import AlgorithmConfig
+from teamrl.envs.base import Environment, Item, Step
+from teamrl.rewards.base import RewardResult
+from teamrl.rollout.generate import Generation, generate, token_logprobs
+from teamrl.team import Agent, Team
+
+
+@dataclass
+class Turn:
+    """Everything one turn of the rollout tree produced."""
+
+    parents: torch.Tensor
+    """(E,) flat index of the previous turn's joint action each expansion point grew from (item index at turn 1)."""
+    items: list[Item]
+    histories: list[tuple[Step, ...]]
+    observations: list[list[str]]
+    """observations[e][i]: agent i's observation at expansion point e."""
+    generations: list[Generation]
+    """generations[i]: agent i's E x G completions, G consecutive rows per expansion point."""
+    combos: torch.Tensor
+    """(M, n): joint action m takes sample combos[m, i] of agent i."""
+    results: list[RewardResult]
+    """Joint reward of each of the E x M joint actions."""
+    rewards: torch.Tensor
+    """(E, M, K): the reward channel(s) learners use (K=1 joint, K=n individual)."""
+    generation_seconds: float = 0.0
+
+    def joint_action(self, e: int, m: int) -> tuple[str, ...]:
+        """The completions making up joint action m of expansion point e."""
+        num_samples = self.generations[0].completion_ids.shape[0] // len(self.parents)
+        return tuple(gen.texts[e * num_samples + int(g)] for gen, g in zip(self.generations, self.combos[m]))
+
+
+@dataclass
+class Rollout:
+    """A step's rollout tree, turn by turn."""
+
+    turns: list[Turn] = field(default_factory=list)
+
+
+def rollout(team: Team, env: Environment, items: Sequence[Item], config: AlgorithmConfig) -> Rollout:
+    """Sample the MAGRPO tree for ``items``: one batched generate call per agent per turn."""
+    num_samples, individual = config.num_generations, config.learners == "individual"
+    combos = joint_action_combos(len(team), num_samples, config.joint_mode)
+    frontier = [(item, ()) for item in items]
+    parents = torch.arange(len(items))
+    tree = Rollout()
+    for turn in range(config.num_turns):
+        observations = [env.observe(item) if not history else env.next_observations(item, history)
+                        for item, history in frontier]
+        start = time.perf_counter()
+        generations = [
+            generate(agent, [agent.prompt(obs[i]) for obs in observations], num_samples)
+            for i, agent in enumerate(team)
+        ]
+        seconds = time.perf_counter() - start
+        record = Turn(parents, [f[0] for f in frontier], [f[1] for f in frontier], observations, generations,
+                      combos, [], torch.empty(0), seconds)
+        requests = [(item, record.joint_action(e, m), history)
+                    for e, (item, history) in enumerate(frontier) for m in range(len(combos))]
+        record.results = env.joint_rewards(requests)
+        channels = ([env.individual_rewards(*request) for request in requests] if individual
+                    else [[result.total] for result in record.results])
+        record.rewards = torch.tensor(channels, dtype=torch.float32).view(len(frontier), len(combos), -1)
+        tree.turns.append(record)
+
+        next_frontier, next_parents = [], []
+        if turn + 1 < config.num_turns:
+            threshold = config.early_termination_threshold
+            for flat, ((item, actions, history), result) in enumerate(zip(requests, record.results)):
+                if threshold is not None and result.total >= threshold:
+                    continue
+                step = Step(tuple(observations[flat // len(combos)]), tuple(actions), result)
+                next_frontier.append((item, (*history, step)))
+                next_parents.append(flat)
+        if not next_frontier:
+            break
+        frontier, parents = next_frontier, torch.tensor(next_parents)
+    return tree
+
+
+def advantages(tree: Rollout, num_agents: int, config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Per agent and turn, the (E*G,) advantage of each of its completions; and the returns of each turn."""
+    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount)
+    per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
+    for turn, turn_returns in zip(tree.turns, returns):
+        joint = group_advantages(turn_returns, config.advantage)  # Eq. 1, one group per expansion point
+        for i in range(num_agents):
+            channel = joint[:, :, min(i, joint.shape[2] - 1)]  # the shared reward, or agent i's own
+            per_agent[i].append(agent_advantages(channel, turn.combos, i, config.num_generations).reshape(-1))
+    return per_agent, returns
+
+
+def update_agent(
+    agent: Agent,
+    generations: list[Generation],
+    advantages: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    config: AlgorithmConfig,
+    *,
+    micro_batch_size: int = 0,
+    max_grad_norm: float | None = None,
+) -> dict[str, float]:
+    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn."""
+    agent.activate()
+    agent.model.train()
+    temperature = agent.sampling.temperature
+    batches = [
+        (gen, adv, rows)
+        for gen, adv in zip(generations, advantages)
+        for rows in _micro_batches(adv.shape[0], micro_batch_size)
+    ]
+    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
+    use_kl = config.kl_coef > 0
+    old_logprobs: list[torch.Tensor | None] = [None] * len(batches)
+    ref_logprobs: list[torch.Tensor | None] = [None] * len(batches)
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
+    for iteration in range(config.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
+        for b, (gen, adv, rows) in enumerate(batches):
+            adv_rows = adv[rows].to(gen.completion_ids.device)
+            if not use_kl and not adv_rows.any():
+                continue  # a zero advantage contributes exactly zero gradient: skip the forward pass
+            inputs = (gen.prompt_ids[rows], gen.prompt_mask[rows], gen.completion_ids[rows], gen.completion_mask[rows])
+            logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
+            if old_logprobs[b] is None:
+                # No update has happened yet in the first pass, so the current policy is the sampling one.
+                old_logprobs[b] = logprobs.detach()
+            if use_kl and ref_logprobs[b] is None:
+                with torch.no_grad(), agent.reference() as reference:
+                    ref_logprobs[b] = token_logprobs(reference, *inputs, temperature=temperature)
+                agent.activate()
+            loss, stats = policy_loss(
+                logprobs, old_logprobs[b], adv_rows, inputs[3],
+                aggregation=config.logprob_aggregation, normalizer=normalizer,
+                epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                ref_logprobs=ref_logprobs[b], kl_coef=config.kl_coef,
+            )
+            loss.backward()
+            loss_sum += float(loss)
+            clipped += stats["clip_fraction"] * stats["tokens"]
+            kl_sum += stats.get("kl", 0.0) * stats["tokens"]
+            tokens += stats["tokens"]
+        grads = [p.grad for p in agent.parameters if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if grads else 0.0
+        optimizer.step()
+        scheduler.step()
+        totals["loss"] += loss_sum / config.num_iterations
+        totals["grad_norm"] += norm / config.num_iterations
+        totals["clip_fraction"] += clipped / max(tokens, 1) / config.num_iterations
+        totals["kl"] += kl_sum / max(tokens, 1) / config.num_iterations
+        totals["tokens"] = tokens
+    agent.model.eval()
+    return totals
+
+
+def _micro_batches(size: int, micro_batch_size: int) -> list[torch.Tensor]:
+    step = micro_batch_size or size
+    return [torch.arange(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
+    """Per-turn joint reward and return statistics, and advantage statistics, for logging."""
+    metrics: dict[str, float] = {}
+    for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
+        joint = torch.tensor([r.total for r in turn.results])
+        metrics[f"reward/turn{t}/mean"] = float(joint.mean())
+        metrics[f"reward/turn{t}/std"] = float(joint.std()) if joint.numel() > 1 else 0.0
+        metrics[f"return/turn{t}/mean"] = float(turn_returns.mean())
+        metrics[f"turn{t}/joint_actions"] = float(joint.numel())
+    every = torch.cat([a for per_turn in agent_advantages_ for a in per_turn])
+    metrics["advantage/mean"] = float(every.mean())
+    metrics["advantage/std"] = float(every.std()) if every.numel() > 1 else 0.0
+    metrics["advantage/abs_mean"] = float(every.abs().mean())
+    metrics["reward/mean"] = metrics["reward/turn1/mean"]
+    metrics["return/mean"] = metrics["return/turn1/mean"]
+    return metrics

@@ -1,0 +1,425 @@
+"""Run configuration: dataclasses with documented defaults, loaded from YAML plus ``key=value`` overrides.
+
+Every field carries its documentation in ``metadata["help"]`` (``teamrl config`` prints them). Loading
+checks every key and type and each field's constraints up front, so a bad config fails with one line
+that names the field, never with a traceback half-way through a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type or out of range. The message names the field."""
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class SamplingConfig:
+    """How an agent samples its completions."""
+
+    temperature: float = _doc("Softmax temperature; the policy being trained is the temperature-scaled one.", 1.0)
+    top_p: float = _doc("Nucleus sampling mass (1.0 = off).", 1.0)
+    top_k: int = _doc("Sample only from the k most likely tokens (0 = off).", 0)
+    max_new_tokens: int = _doc("Longest completion, in tokens.", 64)
+
+    def validate(self, path: str) -> None:
+        _check(self.temperature > 0, f"{path}.temperature", "must be > 0", self.temperature)
+        _check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, f"{path}.top_k", "must be >= 0 (0 turns it off)", self.top_k)
+        _check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1", self.max_new_tokens)
+
+
+@dataclass
+class LoraSettings:
+    """The LoRA adapter each agent trains on top of its (frozen) base model."""
+
+    r: int = _doc("Adapter rank.", 8)
+    alpha: int = _doc("LoRA scaling numerator (scale = alpha / r).", 16)
+    dropout: float = _doc("Dropout on the adapter input during updates.", 0.0)
+    target_modules: Any = _doc(
+        "Modules that get adapters: a list of module names, or 'all-linear' (PEFT's shorthand).", "all-linear"
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.r >= 1, f"{path}.r", "must be >= 1", self.r)
+        _check(self.alpha > 0, f"{path}.alpha", "must be > 0", self.alpha)
+        _check(0 <= self.dropout < 1, f"{path}.dropout", "must be in [0, 1)", self.dropout)
+        ok = isinstance(self.target_modules, str) or (
+            isinstance(self.target_modules, list) and all(isinstance(m, str) for m in self.target_modules)
+        )
+        _check(ok, f"{path}.target_modules", "must be a string or a list of strings", self.target_modules)
+
+
+@dataclass
+class AgentConfig:
+    """One member of the team."""
+
+    name: str = _doc("Agent name, used in logs, checkpoints and the saved team.")
+    model: str | None = _doc(
+        "This agent's own base model (heterogeneous teams); empty = the team's `model`.", None
+    )
+    system_prompt: str | None = _doc(
+        "The agent's role, sent as the system message; empty = the environment's default role for this seat.",
+        None,
+    )
+    sampling: dict = _doc(
+        "Per-agent overrides of `team.sampling`, e.g. {temperature: 0.7, max_new_tokens: 128}.", factory=dict
+    )
+    lr: float | None = _doc("This agent's learning rate; empty = `optim.lr`.", None)
+
+
+@dataclass
+class TeamConfig:
+    """Who is in the team and how their weights are held."""
+
+    model: str = _doc(
+        "Base model for every agent: a local directory, a .gguf file, 'bundled' (the bundled SmolLM2-135M-"
+        "Instruct), a hub id, or 'tiny' (a random-initialised tiny model over the environment's vocabulary, "
+        "for tests and smoke runs).",
+        "tiny",
+    )
+    training: Literal["lora", "full"] = _doc(
+        "'lora': each agent trains its own LoRA adapter; agents with the same base share one frozen copy of it. "
+        "'full': each agent fine-tunes its own full copy of its model.",
+        "lora",
+    )
+    lora: LoraSettings = _doc("Adapter settings when training='lora'.", factory=LoraSettings)
+    agents: list[AgentConfig] = _doc(
+        "The agents, in the environment's seat order (agent i plays the environment's role i).",
+        factory=lambda: [AgentConfig(name="agent0"), AgentConfig(name="agent1")],
+    )
+    sampling: SamplingConfig = _doc("Sampling settings shared by all agents.", factory=SamplingConfig)
+    use_chat_template: bool = _doc(
+        "Wrap each observation in the tokenizer's chat template (when it has one) with the role as system message.",
+        True,
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _doc(
+        "Parameter dtype. float32 is fastest on CPUs without bf16 units.", "float32"
+    )
+    device: str = _doc("Torch device for every agent ('cpu', 'cuda', 'cuda:1', ...).", "cpu")
+
+    def validate(self, path: str) -> None:
+        _check(len(self.agents) >= 1, f"{path}.agents", "needs at least one agent", self.agents)
+        names = [a.name for a in self.agents]
+        _check(len(set(names)) == len(names), f"{path}.agents", "agent names must be unique", names)
+        for i, agent in enumerate(self.agents):
+            _check(bool(agent.name) and agent.name.isidentifier(), f"{path}.agents[{i}].name",
+                   "must be a non-empty identifier (letters, digits, _)", agent.name)
+            _check(agent.lr is None or agent.lr > 0, f"{path}.agents[{i}].lr", "must be > 0", agent.lr)
+            self.agent_sampling(i).validate(f"{path}.agents[{i}].sampling")
+            _check_model_spec(agent.model or self.model, f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
+        self.sampling.validate(f"{path}.sampling")
+        self.lora.validate(f"{path}.lora")
+
+    def agent_sampling(self, index: int) -> SamplingConfig:
+        """The team's sampling settings with agent ``index``'s overrides applied."""
+        overrides = self.agents[index].sampling
+        return _build(SamplingConfig, {**dataclasses.asdict(self.sampling), **overrides},
+                      f"team.agents[{index}].sampling")
+
+
+@dataclass
+class EnvConfig:
+    """The task: which environment and its options."""
+
+    name: str = _doc("Registered environment name (see `teamrl envs`).", "digit_sum")
+    kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
+
+
+@dataclass
+class AlgorithmConfig:
+    """MAGRPO (arXiv 2508.04652) and its variants."""
+
+    num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
+    joint_mode: Literal["aligned", "cross"] = _doc(
+        "'aligned': the g-th completions of all agents form joint action g (G joint actions). "
+        "'cross': every combination is a joint action (G^n).",
+        "aligned",
+    )
+    num_turns: int = _doc("T: turns per episode. Turn t>1 observations carry the environment's feedback.", 1)
+    discount: float = _doc("gamma in R_t = r_t + gamma * mean(R_{t+1} of the node's children).", 1.0)
+    advantage: Literal["mean", "std", "rloo", "none"] = _doc(
+        "Group-relative advantage over G siblings: 'mean' R - mean(R) (paper Eq. 1); 'std' also divides by "
+        "the group std (GRPO); 'rloo' leave-one-out baseline; 'none' the raw return.",
+        "mean",
+    )
+    logprob_aggregation: Literal["token_sum", "sequence_mean", "token_mean"] = _doc(
+        "How token log-probs make the loss: 'token_sum' log pi(a|o) summed over tokens (paper Eq. 2); "
+        "'sequence_mean' mean per sequence then over sequences; 'token_mean' mean over all tokens of the batch.",
+        "token_sum",
+    )
+    num_iterations: int = _doc(
+        "Optimisation passes over one rollout. >1 makes later passes off-policy, handled by the clipped ratio.", 1
+    )
+    epsilon_low: float = _doc("Clip the probability ratio below at 1 - epsilon_low.", 0.2)
+    epsilon_high: float = _doc("Clip the probability ratio above at 1 + epsilon_high.", 0.2)
+    kl_coef: float = _doc(
+        "Weight of the KL penalty to the reference policy (k3 estimator). With LoRA the reference is the base "
+        "with the adapter disabled; with full fine-tuning a frozen copy is kept. 0 = off, no reference pass.",
+        0.0,
+    )
+    early_termination_threshold: float | None = _doc(
+        "Multi-turn: a joint action whose reward reaches this value is not expanded further. Empty = off.", None
+    )
+    learners: Literal["joint", "individual"] = _doc(
+        "'joint': every agent learns from the shared joint reward (MAGRPO). 'individual': each agent learns "
+        "from its own per-agent reward (the environment's `individual_rewards`), the independent-learner "
+        "baseline against which joint training is compared.",
+        "joint",
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.num_generations >= 2, f"{path}.num_generations",
+               "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
+        _check(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
+        _check(0 <= self.discount <= 1, f"{path}.discount", "must be in [0, 1]", self.discount)
+        _check(self.num_iterations >= 1, f"{path}.num_iterations", "must be >= 1", self.num_iterations)
+        _check(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)
+        _check(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
+        _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and schedule, one AdamW per agent."""
+
+    lr: float = _doc("Learning rate (each agent may override it).", 1e-4)
+    weight_decay: float = _doc("AdamW weight decay.", 0.0)
+    betas: list[float] = _doc("AdamW betas.", factory=lambda: [0.9, 0.999])
+    max_grad_norm: float | None = _doc("Clip each agent's gradient to this global norm. Empty = no clipping.", 1.0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = _doc(
+        "Schedule after warm-up: constant, linear decay to 0, or cosine decay to 0 at the last step.", "constant"
+    )
+    warmup_steps: int = _doc("Linear warm-up from 0 to `lr` over this many optimiser steps.", 0)
+    micro_batch_size: int = _doc(
+        "Sequences per forward/backward pass; gradients accumulate over the micro-batches of one update, so "
+        "this trades memory for speed without changing the result. 0 = the whole batch at once.",
+        0,
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        _check(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0", self.weight_decay)
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{path}.betas",
+               "must be two numbers in [0, 1)", self.betas)
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0, f"{path}.max_grad_norm",
+               "must be > 0 (or empty for no clipping)", self.max_grad_norm)
+        _check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(self.micro_batch_size >= 0, f"{path}.micro_batch_size", "must be >= 0", self.micro_batch_size)
+
+
+@dataclass
+class LoggingConfig:
+    """What a run records."""
+
+    sample_every: int = _doc("Write sample joint outputs to samples.jsonl every N steps (0 = never).", 10)
+    tensorboard: bool = _doc("Also write TensorBoard event files (needs the `tensorboard` extra).", False)
+    wandb_project: str | None = _doc("Also log to this Weights & Biases project (needs the `wandb` extra).", None)
+    progress_bar: bool = _doc("Show a progress bar on the console.", True)
+
+    def validate(self, path: str) -> None:
+        _check(self.sample_every >= 0, f"{path}.sample_every", "must be >= 0", self.sample_every)
+
+
+@dataclass
+class CheckpointConfig:
+    """When the run saves what it needs to resume."""
+
+    save_every: int = _doc("Save a checkpoint every N steps (and always at the last step). 0 = only the last.", 50)
+    keep_last: int = _doc("How many checkpoints to keep on disk (older ones are deleted).", 2)
+
+    def validate(self, path: str) -> None:
+        _check(self.save_every >= 0, f"{path}.save_every", "must be >= 0", self.save_every)
+        _check(self.keep_last >= 1, f"{path}.keep_last", "must be >= 1", self.keep_last)
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    env: EnvConfig = _doc("The task.", factory=EnvConfig)
+    team: TeamConfig = _doc("The agents and their models.", factory=TeamConfig)
+    algorithm: AlgorithmConfig = _doc("MAGRPO settings.", factory=AlgorithmConfig)
+    optim: OptimConfig = _doc("Optimiser settings.", factory=OptimConfig)
+    steps: int = _doc("Training steps; each step is one rollout of `items_per_step` items and one update.", 100)
+    items_per_step: int = _doc("Dataset items per step (each gets its own groups of G).", 2)
+    seed: int = _doc("Seed for model init (tiny), data order and sampling.", 0)
+    run_dir: str = _doc("Where metrics, samples, checkpoints and the final team go.", "runs/teamrl")
+    logging: LoggingConfig = _doc("Logging settings.", factory=LoggingConfig)
+    checkpoint: CheckpointConfig = _doc("Checkpoint settings.", factory=CheckpointConfig)
+
+    def validate(self, path: str = "") -> None:
+        _check(self.steps >= 1, "steps", "must be >= 1", self.steps)
+        _check(self.items_per_step >= 1, "items_per_step", "must be >= 1", self.items_per_step)
+        self.team.validate("team")
+        self.algorithm.validate("algorithm")
+        self.optim.validate("optim")
+        self.logging.validate("logging")
+        self.checkpoint.validate("checkpoint")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (or start from the defaults), apply ``a.b=value`` overrides, validate.
+
+    Override values are parsed as YAML, so ``algorithm.num_generations=8`` gives an int and
+    ``team.agents=[{name: a}, {name: b}]`` a list.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {str(file)!r} does not exist")
+        try:
+            data = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(file)!r} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(file)!r} must hold a mapping of fields, got {type(data).__name__}")
+    for override in overrides or []:
+        _apply_override(data, override)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from plain data (as read from YAML)."""
+    config = _build(TrainConfig, data, "")
+    config.validate()
+    return config
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain-data form of a config, suitable for YAML/JSON and for :func:`config_from_dict`."""
+    return dataclasses.asdict(config)
+
+
+def describe_fields(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field, nested configs expanded."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.extend(describe_fields(hints[f.name], name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+            default = [dataclasses.asdict(d) for d in default]
+        rows.append((name, repr(default), f.metadata.get("help", "")))
+    return rows
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like field.subfield=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is not a group of fields")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            raise ConfigError(f"{where}: unknown field; valid fields here are: {', '.join(known)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    missing = [n for n, f in known.items()
+               if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        where = f"{path}.{missing[0]}" if path else missing[0]
+        raise ConfigError(f"{where}: required field is missing")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {hint}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"config field {where} has an unsupported type {hint}")  # a bug in teamrl, not user input
+
+
+def _check(ok: bool, where: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {rule} (got {value!r})")
+
+
+def _check_model_spec(spec: str, where: str) -> None:
+    """A spec that is clearly a filesystem path must exist; hub ids are checked when loading."""
+    looks_like_path = spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf")
+    if looks_like_path and not Path(spec).expanduser().exists():
+        raise ConfigError(f"{where}: model path {spec!r} does not exist; give an existing directory or .gguf file")

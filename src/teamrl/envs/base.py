@@ -1,0 +1,101 @@
+"""The Dec-POMDP interface every task implements.
+
+An environment turns a dataset item into each agent's first observation, scores a joint action (one
+completion per agent) with one joint reward, and, in multi-turn episodes, turns the history of an
+episode into each agent's next observation. Agents only ever see their own observation: there is no
+controller at inference time.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from teamrl.rewards.base import RewardResult
+
+Item = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One turn of an episode: what each agent saw, what it did, and the joint reward it got."""
+
+    observations: tuple[str, ...]
+    actions: tuple[str, ...]
+    reward: RewardResult
+
+
+class Environment(ABC):
+    """A cooperative task for ``num_agents`` agents.
+
+    Subclasses set ``num_agents`` and ``roles`` (a default system prompt per seat) and implement
+    :meth:`items`, :meth:`observe` and :meth:`joint_reward`; multi-turn tasks also implement
+    :meth:`next_observations`. Rewards are plain functions of the joint action; override
+    :meth:`joint_rewards` only to score a batch more efficiently (e.g. in a sandbox pool).
+    """
+
+    num_agents: int = 2
+    roles: Sequence[str] = ()
+    max_turns: int | None = 1
+    """Longest episode the task supports (None = any)."""
+    max_reward: float = 1.0
+    """Largest joint reward of one turn; normalised returns divide by it."""
+
+    @abstractmethod
+    def items(self, split: str = "train") -> Sequence[Item]:
+        """The dataset items of ``split`` ('train' or 'eval')."""
+
+    @abstractmethod
+    def observe(self, item: Item) -> list[str]:
+        """Each agent's first observation of ``item``, in seat order."""
+
+    @abstractmethod
+    def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
+        """The one reward all agents share for the joint action ``actions`` taken after ``history``."""
+
+    def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
+        """Each agent's observation after ``history`` (multi-turn tasks override this)."""
+        raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no next observations")
+
+    def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
+        """A reward per agent, for the independent-learner baseline (``algorithm.learners='individual'``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no individual rewards; use algorithm.learners='joint'"
+        )
+
+    def joint_rewards(
+        self, requests: Sequence[tuple[Item, Sequence[str], Sequence[Step]]]
+    ) -> list[RewardResult]:
+        """Score many joint actions; the default scores them one by one."""
+        return [self.joint_reward(item, actions, history) for item, actions, history in requests]
+
+    def vocabulary(self) -> list[str] | None:
+        """Words a word-level tokenizer needs for this task (used by the 'tiny' test model), if any."""
+        return None
+
+
+ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_env(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Class decorator: make an environment constructible by name from a config."""
+
+    def wrap(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        ENVIRONMENTS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    """Build the registered environment ``name`` with ``kwargs``; errors name the bad field."""
+    from teamrl import envs  # noqa: F401  (registers the built-in environments)
+
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"env.name: unknown environment {name!r}; registered: {', '.join(sorted(ENVIRONMENTS))}")
+    try:
+        return ENVIRONMENTS[name](**kwargs)
+    except TypeError as err:
+        raise ValueError(f"env.kwargs: {name!r} does not accept these arguments ({err})") from None

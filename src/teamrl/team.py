@@ -1,0 +1,211 @@
+"""Agents and teams.
+
+An :class:`Agent` is a causal-LM policy, its tokenizer, its role (how an observation becomes a prompt)
+and its sampling settings. A :class:`Team` holds the agents and decides how their weights are kept:
+
+* ``lora`` (default): agents that share a base model share one frozen copy of it, each with its own
+  LoRA adapter — n agents for about one model's memory. The KL reference is the base with the
+  adapter disabled, so no second model is needed.
+* ``full``: every agent fine-tunes its own full copy (a frozen copy is kept as reference only when a
+  KL penalty is asked for).
+* heterogeneous: any agent may name its own base model (and so its own tokenizer), in either mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from teamrl.config import SamplingConfig, TeamConfig
+from teamrl.envs.base import Environment
+
+
+@dataclass
+class Agent:
+    """One policy of the team and everything needed to prompt it and train it."""
+
+    name: str
+    model: nn.Module
+    tokenizer: object
+    sampling: SamplingConfig
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    adapter: str | None = None
+    """Name of this agent's LoRA adapter inside ``model`` (None when the agent owns ``model`` outright)."""
+    reference_model: nn.Module | None = None
+    """Frozen copy for the KL penalty under full fine-tuning (None under LoRA: the adapter is disabled)."""
+    base_spec: str = ""
+    parameters: list[nn.Parameter] = field(default_factory=list)
+    """The parameters this agent trains (its adapter, or its whole model)."""
+
+    def activate(self) -> None:
+        """Route the shared model through this agent's adapter."""
+        if self.adapter is not None:
+            self.model.set_adapter(self.adapter)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[nn.Module]:
+        """The frozen reference policy: the base with this agent's adapter disabled, or the kept copy."""
+        if self.adapter is not None:
+            self.activate()
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            if self.reference_model is None:
+                raise RuntimeError(f"agent {self.name!r} has no reference model; build the team with need_reference=True")
+            yield self.reference_model
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every token id that ends a completion (the tokenizer's eos and the generation config's)."""
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(configured if isinstance(configured, list) else [configured])
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def uses_chat_template(self) -> bool:
+        """Whether prompts go through the tokenizer's chat template."""
+        return bool(self.use_chat_template and getattr(self.tokenizer, "chat_template", None))
+
+    def prompt(self, observation: str) -> str:
+        """The text the model is conditioned on: the chat template when there is one, else plain text."""
+        if self.uses_chat_template:
+            messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            messages.append({"role": "user", "content": observation})
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
+
+
+class Team:
+    """The agents, in the environment's seat order."""
+
+    def __init__(self, agents: Sequence[Agent]):
+        self.agents = list(agents)
+
+    def __len__(self) -> int:
+        return len(self.agents)
+
+    def __iter__(self) -> Iterator[Agent]:
+        return iter(self.agents)
+
+    def __getitem__(self, index: int) -> Agent:
+        return self.agents[index]
+
+    @classmethod
+    def from_config(cls, config: TeamConfig, env: Environment, *, seed: int = 0, need_reference: bool = False) -> Team:
+        """Load the base models and build the agents that ``config`` describes for ``env``'s seats."""
+        if len(config.agents) != env.num_agents:
+            raise ValueError(
+                f"team.agents: {type(env).__name__} has {env.num_agents} seats but the team has "
+                f"{len(config.agents)} agents"
+            )
+        dtype = getattr(torch, config.dtype)
+        shared_bases: dict[str, tuple[nn.Module, object]] = {}
+        agents = []
+        for index, agent_cfg in enumerate(config.agents):
+            spec = agent_cfg.model or config.model
+            if config.training == "lora" and spec in shared_bases:
+                model, tokenizer = shared_bases[spec]
+            else:
+                model, tokenizer = load_base_model(spec, env, seed=seed, dtype=dtype, device=config.device)
+            agent = Agent(
+                name=agent_cfg.name,
+                model=model,
+                tokenizer=tokenizer,
+                sampling=config.agent_sampling(index),
+                system_prompt=agent_cfg.system_prompt or (env.roles[index] if index < len(env.roles) else None),
+                use_chat_template=config.use_chat_template,
+                base_spec=spec,
+            )
+            if config.training == "lora":
+                agent.model = _add_adapter(model, agent.name, config)
+                agent.adapter = agent.name
+                shared_bases[spec] = (agent.model, tokenizer)
+            else:
+                if need_reference:
+                    agent.reference_model = copy.deepcopy(model).requires_grad_(False).eval()
+                agent.parameters = [p for p in model.parameters() if p.requires_grad]
+            agents.append(agent)
+        for agent in agents:
+            if agent.adapter is not None:
+                # Agents sharing a base share one PeftModel; keep each agent's handle on the final wrapper.
+                agent.model = shared_bases[agent.base_spec][0]
+                marker = f".{agent.adapter}."
+                agent.parameters = [p for n, p in agent.model.named_parameters() if marker in n and "lora_" in n]
+        return cls(agents)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Save every agent (its adapter, or its full weights) and tokenizer, plus a ``team.json`` manifest.
+
+        An adapter is saved in PEFT's format, so ``PeftModel.from_pretrained(base, directory/agent)``
+        loads it with no teamrl code.
+        """
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = []
+        for agent in self.agents:
+            target = root / agent.name
+            target.mkdir(exist_ok=True)
+            if agent.adapter is not None:
+                state = get_peft_model_state_dict(agent.model, adapter_name=agent.adapter)
+                save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
+                          str(target / "adapter_model.safetensors"))
+                agent.model.peft_config[agent.adapter].save_pretrained(str(target))
+            else:
+                agent.model.save_pretrained(str(target))
+            agent.tokenizer.save_pretrained(str(target))
+            manifest.append({
+                "name": agent.name,
+                "base_model": agent.base_spec,
+                "kind": "lora" if agent.adapter is not None else "full",
+                "system_prompt": agent.system_prompt,
+                "use_chat_template": agent.use_chat_template,
+                "sampling": asdict(agent.sampling),
+            })
+        (root / "team.json").write_text(json.dumps({"agents": manifest}, indent=2))
+        return root
+
+
+def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str):
+    """Load a base model and tokenizer from a model spec (see ``TeamConfig.model``)."""
+    if spec == "tiny":
+        from teamrl.models.tiny import tiny_model_and_tokenizer
+
+        words = env.vocabulary()
+        if not words:
+            raise ValueError(f"team.model: 'tiny' needs an environment with a vocabulary; {type(env).__name__} has none")
+        model, tokenizer = tiny_model_and_tokenizer(words, seed=seed)
+    else:
+        from teamrl.models.loading import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
+    return model.to(device=device, dtype=dtype), tokenizer
+
+
+def _add_adapter(model: nn.Module, adapter: str, config: TeamConfig) -> nn.Module:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        target_modules=config.lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    if isinstance(model, PeftModel):
+        model.add_adapter(adapter, lora)
+        return model
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return get_peft_model(model, lora, adapter_name=adapter)
