@@ -83,9 +83,12 @@ def policy_loss(
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"algorithm.logprob_aggregation: unknown {aggregation!r}; registered: {', '.join(AGGREGATIONS)}")
+    keep = mask.bool()
     mask = mask.to(logprobs.dtype)
-    # Masked positions are zeroed before exp() so that garbage there cannot turn into inf * 0 = nan.
-    log_ratio = (logprobs - old_logprobs) * mask
+    # Untrained positions are replaced (not multiplied) by zeros before exp(): whatever they hold,
+    # even -inf, cannot become inf * 0 = nan and must not reach the gradient.
+    logprobs = torch.where(keep, logprobs, torch.zeros_like(logprobs))
+    log_ratio = logprobs - torch.where(keep, old_logprobs, torch.zeros_like(old_logprobs))
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1)
     unclipped = ratio * adv
@@ -93,7 +96,7 @@ def policy_loss(
     token_loss = -torch.minimum(unclipped, clipped)
     kl = None
     if ref_logprobs is not None and kl_coef > 0:
-        kl = kl_k3(logprobs, ref_logprobs) * mask
+        kl = kl_k3(logprobs, torch.where(keep, ref_logprobs, torch.zeros_like(ref_logprobs))) * mask
         token_loss = token_loss + kl_coef * kl
     loss = AGGREGATIONS[aggregation](token_loss, mask) / normalizer
     with torch.no_grad():

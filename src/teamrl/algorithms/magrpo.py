@@ -169,7 +169,7 @@ def update_agent(
                 ref_logprobs=ref_logprobs[b], kl_coef=config.kl_coef,
             )
             loss.backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             clipped += stats["clip_fraction"] * stats["tokens"]
             kl_sum += stats.get("kl", 0.0) * stats["tokens"]
             tokens += stats["tokens"]

@@ -22,7 +22,7 @@ def tiny_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys([PAD, EOS, UNK, *words]))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins tokens with single spaces
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # single spaces, no punctuation gluing
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK)
     tokenizer.padding_side = "left"
     return tokenizer

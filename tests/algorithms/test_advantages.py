@@ -1,0 +1,366 @@
+"""Returns, group-relative advantages and joint-action bookkeeping of MAGRPO, against hand-computed numbers.
+
+Every expected value below is worked out by hand in the comment next to it; none is recomputed with the
+library's own formula.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from teamrl.algorithms import magrpo
+from teamrl.algorithms.advantages import (
+    ADVANTAGES,
+    agent_advantages,
+    group_advantages,
+    joint_action_combos,
+    leave_one_out,
+    mean_baseline,
+    no_baseline,
+    std_normalised,
+    tree_returns,
+)
+from teamrl.config import AlgorithmConfig
+from teamrl.rewards.base import RewardResult
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, t(expected), atol=atol, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# advantage modes over the last dimension
+# --------------------------------------------------------------------------------------------------
+
+
+def test_registered_modes():
+    assert {"mean", "std", "rloo", "none"} <= set(ADVANTAGES)
+
+
+def test_mean_baseline_hand_computed():
+    # R = [1, 2, 3, 6], mean 3 -> A = [-2, -1, 0, 3]
+    close(mean_baseline(t([1, 2, 3, 6])), [-2, -1, 0, 3])
+    # each row is its own group: [10, 20] -> mean 15
+    close(mean_baseline(t([[1, 2, 3, 6], [10, 20, 15, 15]])), [[-2, -1, 0, 3], [-5, 5, 0, 0]])
+
+
+def test_std_uses_unbiased_std_plus_eps():
+    # R = [1, 3]: deviations -1, +1; unbiased var = (1 + 1) / (2 - 1) = 2, std = sqrt(2) = 1.41421356
+    # A = +-1 / (1.41421356 + 1e-4) = +-0.70705678   (the biased std 1 would give +-0.9999)
+    close(std_normalised(t([1, 3])), [-0.7070567847, 0.7070567847], atol=1e-6)
+    # R = [1, 2, 3, 6]: deviations -2, -1, 0, 3; unbiased var = (4 + 1 + 0 + 9) / 3 = 14/3, std = 2.16024690
+    # A = dev / 2.16034690
+    close(std_normalised(t([1, 2, 3, 6])), [-0.9257772446, -0.4628886223, 0.0, 1.3886658669], atol=1e-6)
+
+
+def test_std_of_a_constant_group_is_zero_not_nan():
+    # all equal: 0 / (0 + eps) = 0
+    out = std_normalised(t([5, 5, 5]))
+    assert torch.isfinite(out).all()
+    close(out, [0, 0, 0])
+
+
+def test_std_eps_is_used():
+    # R = [1, 3] with eps = 0.5: +-1 / (1.41421356 + 0.5) = +-1 / 1.91421356 = +-0.52240775
+    close(std_normalised(t([1, 3]), eps=0.5), [-0.5224077499, 0.5224077499], atol=1e-6)
+
+
+def test_rloo_hand_computed():
+    # R = [1, 2, 3, 6]; mean of the others: 11/3, 10/3, 9/3, 6/3
+    # A = 1 - 11/3, 2 - 10/3, 3 - 3, 6 - 2 = -8/3, -4/3, 0, 4
+    close(leave_one_out(t([1, 2, 3, 6])), [-8 / 3, -4 / 3, 0.0, 4.0])
+    # G = 2: A = R_g - R_other: [1, 3] -> [-2, 2]
+    close(leave_one_out(t([1, 3])), [-2, 2])
+
+
+def test_none_is_the_raw_return_and_a_copy():
+    returns = t([1, 2, 3, 6])
+    out = no_baseline(returns)
+    close(out, [1, 2, 3, 6])
+    out += 100
+    close(returns, [1, 2, 3, 6])  # the caller's returns are not modified through the advantage
+
+
+def test_group_advantages_groups_over_joint_actions_per_point_and_channel():
+    # (E=2, M=3, K=2): a group is the M joint actions of one expansion point, for one channel.
+    returns = t([
+        [[1, 10], [2, 20], [6, 0]],   # point 0: channel 0 = [1, 2, 6] (mean 3), channel 1 = [10, 20, 0] (mean 10)
+        [[0, 5], [0, 5], [3, 8]],     # point 1: channel 0 = [0, 0, 3] (mean 1), channel 1 = [5, 5, 8] (mean 6)
+    ])
+    expected = [
+        [[-2, 0], [-1, 10], [3, -10]],
+        [[-1, -1], [-1, -1], [2, 2]],
+    ]
+    close(group_advantages(returns, "mean"), expected)
+    # rloo = G/(G-1) = 3/2 times the mean baseline here: point 0 channel 0 -> [-3, -1.5, 4.5]
+    close(group_advantages(returns, "rloo")[0, :, 0], [-3, -1.5, 4.5])
+    close(group_advantages(returns, "none"), returns.tolist())
+
+
+def test_group_advantages_unknown_mode():
+    with pytest.raises(ValueError, match="unknown mode"):
+        group_advantages(torch.zeros(1, 2, 1), "median")
+
+
+# --------------------------------------------------------------------------------------------------
+# returns over the tree
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tree_returns_one_turn_is_the_reward():
+    rewards = t([[[1.0], [2.0]], [[0.5], [0.0]]])
+    out = tree_returns([rewards], [torch.arange(2)], discount=0.7)
+    assert len(out) == 1
+    close(out[0], rewards.tolist())
+    assert out[0].data_ptr() != rewards.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("discount", "expected_turn1"),
+    [
+        # children means: node (item0, g0) 4, (item0, g1) 2, (item1, g0) 2, (item1, g1) 3
+        # gamma = 1  : [[1+4, 2+2], [0+2, 1+3]]
+        (1.0, [[5, 4], [2, 4]]),
+        # gamma = 0.5: [[1+2, 2+1], [0+1, 1+1.5]]
+        (0.5, [[3, 3], [1, 2.5]]),
+    ],
+)
+def test_tree_returns_two_aligned_turns(discount, expected_turn1):
+    # 2 items, G = 2 aligned: turn 1 has E=2 points x M=2 joint actions; each of the 4 joint actions
+    # grows a node with G=2 children at turn 2 (flat parent index e * M + m).
+    turn1 = t([[[1], [2]], [[0], [1]]])
+    turn2 = t([[[3], [5]], [[0], [4]], [[2], [2]], [[6], [0]]])
+    out = tree_returns([turn1, turn2], [torch.arange(2), torch.tensor([0, 1, 2, 3])], discount)
+    close(out[0].squeeze(-1), expected_turn1)
+    close(out[1], turn2.tolist())  # leaves: R = r
+    close(turn1.squeeze(-1), [[1, 2], [0, 1]])  # inputs untouched
+
+
+def test_tree_returns_early_termination_keeps_reward_at_childless_node():
+    # Turn-1 joint actions (item0, g0), (item1, g1) terminated; only flat indices 1 and 2 were expanded.
+    turn1 = t([[[1], [2]], [[0], [1]]])
+    turn2 = t([[[3], [5]], [[2], [2]]])
+    out = tree_returns([turn1, turn2], [torch.arange(2), torch.tensor([1, 2])], 1.0)
+    # flat 1 = (item0, g1): 2 + mean(3, 5) = 6; flat 2 = (item1, g0): 0 + mean(2, 2) = 2; others keep r
+    close(out[0].squeeze(-1), [[1, 6], [2, 1]])
+
+
+def test_tree_returns_three_turns_propagates_returns_not_rewards():
+    # one item, G = 2, gamma = 0.5
+    turn1 = t([[[1], [0]]])
+    turn2 = t([[[0], [0]], [[1], [1]]])                       # parents: turn-1 flat 0, 1
+    turn3 = t([[[2], [4]], [[0], [0]], [[1], [1]], [[0], [2]]])  # parents: turn-2 flat 0..3
+    out = tree_returns([turn1, turn2, turn3],
+                       [torch.arange(1), torch.tensor([0, 1]), torch.tensor([0, 1, 2, 3])], 0.5)
+    # turn 2: 0 + .5 * 3 = 1.5 ; 0 + .5 * 0 = 0 ; 1 + .5 * 1 = 1.5 ; 1 + .5 * 1 = 1.5
+    close(out[1].squeeze(-1), [[1.5, 0.0], [1.5, 1.5]])
+    # turn 1: 1 + .5 * mean(1.5, 0) = 1.375 ; 0 + .5 * mean(1.5, 1.5) = 0.75
+    close(out[0].squeeze(-1), [[1.375, 0.75]])
+
+
+def test_tree_returns_two_reward_channels():
+    # K = 2 (individual learners): each channel is backed up on its own.
+    turn1 = t([[[1, 0], [0, 1]]])
+    turn2 = t([[[1, 2], [3, 4]], [[0, 0], [2, 6]]])
+    out = tree_returns([turn1, turn2], [torch.arange(1), torch.tensor([0, 1])], 1.0)
+    # node 0 children means: [2, 3] ; node 1: [1, 3]
+    close(out[0], [[[3, 3], [1, 4]]])
+
+
+# --------------------------------------------------------------------------------------------------
+# joint actions
+# --------------------------------------------------------------------------------------------------
+
+
+def test_joint_action_combos_aligned():
+    assert joint_action_combos(2, 3, "aligned").tolist() == [[0, 0], [1, 1], [2, 2]]
+    assert joint_action_combos(3, 2, "aligned").tolist() == [[0, 0, 0], [1, 1, 1]]
+
+
+def test_joint_action_combos_cross_order():
+    assert joint_action_combos(2, 3, "cross").tolist() == [
+        [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1], [2, 2],
+    ]
+    assert joint_action_combos(3, 2, "cross").tolist() == [
+        [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1], [1, 0, 0], [1, 0, 1], [1, 1, 0], [1, 1, 1],
+    ]
+
+
+def test_joint_action_combos_unknown_mode():
+    with pytest.raises(ValueError, match="joint_mode"):
+        joint_action_combos(2, 2, "pairwise")
+
+
+def test_agent_advantages_aligned_is_identity():
+    joint = t([[0.5, -1.0, 0.5], [3.0, 2.0, -5.0]])  # (E=2, M=G=3)
+    combos = joint_action_combos(2, 3, "aligned")
+    for agent in range(2):
+        close(agent_advantages(joint, combos, agent, 3), joint.tolist())
+
+
+def test_agent_advantages_cross_2x2():
+    # combos (g0, g1): (0,0) (0,1) (1,0) (1,1) with joint advantages 4, 2, -2, -4
+    joint = t([[4, 2, -2, -4]])
+    combos = joint_action_combos(2, 2, "cross")
+    close(agent_advantages(joint, combos, 0, 2), [[3, -3]])   # g0=0: (4+2)/2 ; g0=1: (-2-4)/2
+    close(agent_advantages(joint, combos, 1, 2), [[1, -1]])   # g1=0: (4-2)/2 ; g1=1: (2-4)/2
+
+
+def test_agent_advantages_cross_3x3_two_points():
+    # point 0: joint advantage of (g0, g1) = matrix [[-4,-3,-2],[-1,0,1],[2,3,4]] (row g0, column g1)
+    # point 1: matrix [[1,0,0],[0,0,0],[0,0,-1]]
+    joint = t([[-4, -3, -2, -1, 0, 1, 2, 3, 4], [1, 0, 0, 0, 0, 0, 0, 0, -1]])
+    combos = joint_action_combos(2, 3, "cross")
+    # agent 0 = row means ; agent 1 = column means
+    close(agent_advantages(joint, combos, 0, 3), [[-3, 0, 3], [1 / 3, 0, -1 / 3]])
+    close(agent_advantages(joint, combos, 1, 3), [[-1, 0, 1], [1 / 3, 0, -1 / 3]])
+
+
+# --------------------------------------------------------------------------------------------------
+# end to end through magrpo.advantages on a hand-built rollout tree
+# --------------------------------------------------------------------------------------------------
+
+
+def make_turn(rewards, parents, combos, num_agents: int, num_samples: int) -> magrpo.Turn:
+    rewards = t(rewards)
+    points = rewards.shape[0]
+    generations = [SimpleNamespace(completion_ids=torch.zeros(points * num_samples, 3, dtype=torch.long),
+                                   texts=[""] * (points * num_samples)) for _ in range(num_agents)]
+    return magrpo.Turn(
+        parents=torch.tensor(parents),
+        items=[{"id": str(e)} for e in range(points)],
+        histories=[() for _ in range(points)],
+        observations=[["obs"] * num_agents for _ in range(points)],
+        generations=generations,
+        combos=combos,
+        results=[RewardResult(float(r)) for r in rewards[..., 0].reshape(-1)],
+        rewards=rewards,
+    )
+
+
+def run_advantages(turns, num_agents: int, **config):
+    tree = magrpo.Rollout(turns=turns)
+    per_agent, returns = magrpo.advantages(tree, num_agents, AlgorithmConfig(**config))
+    assert len(per_agent) == num_agents
+    assert all(len(per_turn) == len(turns) for per_turn in per_agent)
+    return per_agent, returns
+
+
+def test_end_to_end_aligned_one_turn_mean():
+    # 2 items, G = 3, 2 agents aligned. item 0 rewards [1, 2, 6] (mean 3); item 1 [0, 0, 3] (mean 1).
+    combos = joint_action_combos(2, 3, "aligned")
+    turn = make_turn([[[1], [2], [6]], [[0], [0], [3]]], [0, 1], combos, 2, 3)
+    per_agent, returns = run_advantages([turn], 2, num_generations=3, joint_mode="aligned", advantage="mean")
+    for agent in range(2):  # centralised: both agents get the same A_g for their g-th completion
+        close(per_agent[agent][0], [-2, -1, 3, -1, -1, 2])
+    close(returns[0].squeeze(-1), [[1, 2, 6], [0, 0, 3]])
+
+
+def test_end_to_end_aligned_one_turn_std():
+    # one item, G = 2: rewards [1, 3] -> +-1 / (sqrt(2) + 1e-4)
+    combos = joint_action_combos(2, 2, "aligned")
+    turn = make_turn([[[1], [3]]], [0], combos, 2, 2)
+    per_agent, _ = run_advantages([turn], 2, num_generations=2, advantage="std")
+    for agent in range(2):
+        close(per_agent[agent][0], [-0.7070567847, 0.7070567847], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mode", "agent0", "agent1"),
+    [
+        # rewards (g0, g1): (0,0)=5 (0,1)=3 (1,0)=1 (1,1)=-1, mean 2 -> joint A = [3, 1, -1, -3]
+        # agent 0: [(3+1)/2, (-1-3)/2] = [2, -2] ; agent 1: [(3-1)/2, (1-3)/2] = [1, -1]
+        ("mean", [2, -2], [1, -1]),
+        # rloo over M = 4: joint A = 4/3 * [3, 1, -1, -3] = [4, 4/3, -4/3, -4]
+        # agent 0: [(4+4/3)/2, (-4/3-4)/2] = [8/3, -8/3] ; agent 1: [(4-4/3)/2, (4/3-4)/2] = [4/3, -4/3]
+        ("rloo", [8 / 3, -8 / 3], [4 / 3, -4 / 3]),
+        # none: joint A = [5, 3, 1, -1] -> agent 0: [4, 0] ; agent 1: [3, 1]
+        ("none", [4, 0], [3, 1]),
+    ],
+)
+def test_end_to_end_cross_one_turn(mode, agent0, agent1):
+    combos = joint_action_combos(2, 2, "cross")
+    turn = make_turn([[[5], [3], [1], [-1]]], [0], combos, 2, 2)
+    per_agent, _ = run_advantages([turn], 2, num_generations=2, joint_mode="cross", advantage=mode)
+    close(per_agent[0][0], agent0)
+    close(per_agent[1][0], agent1)
+
+
+def test_end_to_end_cross_three_agents():
+    # n = 3, G = 2: reward of (g0, g1, g2) = 4 g0 + 2 g1 + g2 = 0..7 in combo order, mean 3.5
+    # joint A = [-3.5, -2.5, ..., 3.5]
+    # agent 0, g0 = 0: combos 0..3 -> mean(-3.5, -2.5, -1.5, -0.5) = -2 ; g0 = 1 -> +2
+    # agent 1, g1 = 0: combos 0,1,4,5 -> mean(-3.5, -2.5, 0.5, 1.5) = -1 ; +1
+    # agent 2, g2 = 0: combos 0,2,4,6 -> mean(-3.5, -1.5, 0.5, 2.5) = -0.5 ; +0.5
+    combos = joint_action_combos(3, 2, "cross")
+    turn = make_turn([[[float(r)] for r in range(8)]], [0], combos, 3, 2)
+    per_agent, _ = run_advantages([turn], 3, num_generations=2, joint_mode="cross", advantage="mean")
+    close(per_agent[0][0], [-2, 2])
+    close(per_agent[1][0], [-1, 1])
+    close(per_agent[2][0], [-0.5, 0.5])
+
+
+def _two_turn_tree():
+    # one item, G = 2, 2 agents aligned. Turn 1 rewards [1, 2]; each joint action grows a node:
+    # node 0 children rewards [3, 5], node 1 children rewards [0, 4].
+    combos = joint_action_combos(2, 2, "aligned")
+    turn1 = make_turn([[[1], [2]]], [0], combos, 2, 2)
+    turn2 = make_turn([[[3], [5]], [[0], [4]]], [0, 1], combos, 2, 2)
+    return [turn1, turn2]
+
+
+def test_end_to_end_aligned_two_turns_mean():
+    per_agent, returns = run_advantages(_two_turn_tree(), 2, num_generations=2, num_turns=2, advantage="mean")
+    # R1 = [1 + 4, 2 + 2] = [5, 4] -> A1 = [0.5, -0.5]
+    # turn 2 groups: [3, 5] -> [-1, 1] ; [0, 4] -> [-2, 2]
+    close(returns[0].squeeze(-1), [[5, 4]])
+    for agent in range(2):
+        close(per_agent[agent][0], [0.5, -0.5])
+        close(per_agent[agent][1], [-1, 1, -2, 2])
+
+
+def test_end_to_end_aligned_two_turns_std():
+    per_agent, _ = run_advantages(_two_turn_tree(), 2, num_generations=2, num_turns=2, advantage="std")
+    # R1 = [5, 4]: dev +-0.5, unbiased std sqrt(0.5) -> +-0.5 / (0.70710678 + 1e-4) = +-0.70700680
+    # [3, 5]: +-1 / (sqrt 2 + 1e-4) = +-0.70705678 ; [0, 4]: +-2 / (sqrt 8 + 1e-4) = +-0.70708178
+    for agent in range(2):
+        close(per_agent[agent][0], [0.7070067953, -0.7070067953], atol=1e-6)
+        close(per_agent[agent][1], [-0.7070567847, 0.7070567847, -0.7070817821, 0.7070817821], atol=1e-6)
+
+
+def test_end_to_end_aligned_two_turns_none_discounted():
+    per_agent, returns = run_advantages(_two_turn_tree(), 2, num_generations=2, num_turns=2,
+                                        advantage="none", discount=0.5)
+    # R1 = [1 + .5 * 4, 2 + .5 * 2] = [3, 3]
+    for agent in range(2):
+        close(per_agent[agent][0], [3, 3])
+        close(per_agent[agent][1], [3, 5, 0, 4])
+
+
+def test_end_to_end_early_termination():
+    # turn-1 joint action 1 (reward 2) terminated: turn 2 has one node grown from flat index 0.
+    combos = joint_action_combos(2, 2, "aligned")
+    turn1 = make_turn([[[1], [2]]], [0], combos, 2, 2)
+    turn2 = make_turn([[[3], [5]]], [0], combos, 2, 2)
+    per_agent, returns = run_advantages([turn1, turn2], 2, num_generations=2, num_turns=2, advantage="rloo")
+    # R1 = [1 + 4, 2] = [5, 2] -> rloo (G=2: R_g - R_other) = [3, -3] ; turn 2: [3, 5] -> [-2, 2]
+    close(returns[0].squeeze(-1), [[5, 2]])
+    for agent in range(2):
+        close(per_agent[agent][0], [3, -3])
+        close(per_agent[agent][1], [-2, 2])
+
+
+def test_end_to_end_individual_learners_use_their_own_channel():
+    # K = 2 channels, G = 2 aligned: channel 0 rewards [1, 3] -> [-1, 1]; channel 1 [0, 4] -> [-2, 2]
+    combos = joint_action_combos(2, 2, "aligned")
+    turn = make_turn([[[1, 0], [3, 4]]], [0], combos, 2, 2)
+    per_agent, _ = run_advantages([turn], 2, num_generations=2, learners="individual", advantage="mean")
+    close(per_agent[0][0], [-1, 1])
+    close(per_agent[1][0], [-2, 2])

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny configs that train in seconds on a laptop CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from teamrl.config import config_from_dict
+
+
+def tiny_config_dict(tmp_path, **overrides) -> dict:
+    """A digit_sum run with two tiny random agents; ``overrides`` replace top-level sections/fields."""
+    data = {
+        "env": {"name": "digit_sum", "kwargs": {"targets": [9], "length": 4}},
+        "team": {"model": "tiny", "training": "full", "sampling": {"max_new_tokens": 4},
+                 "agents": [{"name": "first"}, {"name": "second"}]},
+        "algorithm": {"num_generations": 8},
+        "optim": {"lr": 3e-3},
+        "steps": 60,
+        "items_per_step": 4,
+        "seed": 0,
+        "run_dir": str(tmp_path / "run"),
+        "logging": {"progress_bar": False, "sample_every": 10},
+        "checkpoint": {"save_every": 0},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """Factory: ``tiny_config(algorithm={...}, steps=...)`` -> validated TrainConfig."""
+
+    def make(**overrides):
+        return config_from_dict(tiny_config_dict(tmp_path, **overrides))
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    # The CI machine has 2 cores; more threads only add contention.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)

@@ -1,0 +1,228 @@
+"""Sampling, completion masks and the training forward pass, on the in-memory tiny Llama.
+
+The central claim checked here: only completion tokens up to and including the first EOS are trained.
+Prompt padding and post-EOS tokens get exactly zero gradient, whatever token ids they hold, and an EOS
+token inside the prompt (chat templates end every turn with it) truncates nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from teamrl.algorithms.losses import loss_normalizer, policy_loss
+from teamrl.config import SamplingConfig
+from teamrl.envs.digit_sum import DigitSumGame
+from teamrl.models.tiny import tiny_model_and_tokenizer, tiny_tokenizer
+from teamrl.rollout.generate import completion_mask, generate, token_logprobs
+from teamrl.team import Agent
+
+WORDS = [str(d) for d in range(10)] + "target first second partner you hits nothing".split()
+PAD, EOS = 0, 1  # tiny_tokenizer: <pad>, <eos>, <unk>, then the words
+
+
+# ------------------------------------------------------------------------------------------------
+# completion_mask
+# ------------------------------------------------------------------------------------------------
+
+
+def test_completion_mask_single_eos():
+    ids = torch.tensor([
+        [5, 1, 7, 1],   # EOS at 1: kept through it
+        [5, 6, 7, 8],   # no EOS: everything
+        [1, 3, 3, 3],   # EOS first: only it
+        [3, 3, 3, 1],   # EOS last
+        [1, 1, 1, 1],
+    ])
+    expected = [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert completion_mask(ids, [1]).tolist() == expected
+
+
+def test_completion_mask_several_eos_ids():
+    ids = torch.tensor([[5, 9, 1, 7], [5, 1, 9, 7], [5, 6, 7, 9], [4, 4, 4, 4]])
+    expected = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert completion_mask(ids, [1, 9]).tolist() == expected
+    assert completion_mask(ids, [9, 1]).tolist() == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# generate on the tiny model
+# ------------------------------------------------------------------------------------------------
+
+
+def make_agent(temperature: float = 1.0, max_new_tokens: int = 6) -> Agent:
+    model, tokenizer = tiny_model_and_tokenizer(WORDS, seed=0)
+    return Agent(name="a", model=model, tokenizer=tokenizer,
+                 sampling=SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens))
+
+
+PROMPTS = [
+    "target 9 first",
+    "target 7 partner 1 2 3 you 4 5 hits 0 second",
+    "target 9 second <eos>",  # ends with the EOS token, as a chat template ends its turns
+]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generate_layout_and_logprobs_match_training_forward(temperature):
+    agent = make_agent(temperature)
+    vocab = agent.tokenizer.get_vocab()
+    num_samples = 4
+    torch.manual_seed(3)
+    gen = generate(agent, PROMPTS, num_samples)
+
+    rows = len(PROMPTS) * num_samples
+    assert gen.completion_ids.shape[0] == rows
+    assert gen.prompt_ids.shape == gen.prompt_mask.shape
+    assert gen.completion_mask.shape == gen.completion_ids.shape == gen.sampling_logprobs.shape
+    assert gen.completion_ids.shape[1] <= 6
+    assert len(gen.texts) == rows
+
+    # prompt-major: rows p*G .. p*G+G-1 hold prompt p, left-padded, token ids straight from the vocabulary
+    width = gen.prompt_ids.shape[1]
+    for b in range(rows):
+        words = PROMPTS[b // num_samples].split()
+        expected = [vocab[w] for w in words]
+        pad = width - len(expected)
+        assert gen.prompt_ids[b].tolist() == [PAD] * pad + expected
+        assert gen.prompt_mask[b].tolist() == [0] * pad + [1] * len(expected)
+    assert gen.prompt_ids[2 * num_samples, -1].item() == EOS  # the EOS-terminated prompt kept its EOS
+
+    # masks: up to and including the first EOS, independently of any EOS in the prompt
+    assert torch.equal(gen.completion_mask, completion_mask(gen.completion_ids, [EOS]))
+    assert gen.completion_mask[:, 0].eq(1).all()
+    post_eos = gen.completion_mask == 0
+    assert post_eos.any(), "seed should produce at least one completion that stops early"
+
+    # sampling log-probs == a training forward pass on the same left-padded batch, on trained tokens;
+    # rows in another order would be conditioned on the wrong prompt and fail this check
+    trained = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                             gen.completion_mask, temperature=temperature)
+    on = gen.completion_mask.bool()
+    torch.testing.assert_close(gen.sampling_logprobs[on], trained[on].detach(), atol=1e-4, rtol=0)
+    assert (gen.sampling_logprobs[~on] == 0).all()
+    assert (gen.sampling_logprobs[on] < 0).all()
+
+    # texts: the trained tokens only, special tokens dropped, words joined by single spaces
+    inverse = {i: w for w, i in vocab.items()}
+    special = set(agent.tokenizer.all_special_ids)
+    for b in range(rows):
+        kept = [int(i) for i, m in zip(gen.completion_ids[b], gen.completion_mask[b]) if m and int(i) not in special]
+        assert gen.texts[b] == " ".join(inverse[i] for i in kept)
+
+
+def test_generate_on_an_eos_terminated_prompt_keeps_sampling():
+    agent = make_agent()
+    torch.manual_seed(0)
+    gen = generate(agent, ["target 9 first <eos>"], 8)
+    assert gen.prompt_ids[:, -1].eq(EOS).all()
+    # a prompt-side EOS neither empties the completion masks nor stops generation at step 0
+    assert gen.completion_mask.sum(dim=1).min() >= 1
+    assert gen.completion_ids.shape[1] > 1
+    assert gen.completion_mask.sum() > gen.completion_ids.shape[0]
+
+
+def test_tiny_tokenizer_decode_round_trips_digit_sum_words():
+    tokenizer = tiny_tokenizer(DigitSumGame().vocabulary())
+    text = "6 ? 3 4"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoded = tokenizer.batch_decode([ids], skip_special_tokens=True)[0]  # as generate() decodes
+    assert DigitSumGame().digits(decoded) == [6, None, 3, 4]
+    assert decoded == text
+
+
+# ------------------------------------------------------------------------------------------------
+# the zero-gradient proof, end to end through the model
+# ------------------------------------------------------------------------------------------------
+
+
+def hand_batch(vocab: dict[str, int]):
+    w = vocab.__getitem__
+    prompt_ids = torch.tensor([
+        [PAD, PAD, PAD, w("target"), w("9"), w("first")],             # left padding
+        [w("target"), w("9"), w("partner"), w("1"), w("second"), EOS],  # full width, ends with EOS
+        [PAD, PAD, w("target"), w("4"), w("first"), EOS],              # padding and ends with EOS
+    ])
+    prompt_mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    completion_ids = torch.tensor([
+        [w("3"), w("4"), EOS, w("7"), PAD],    # stops after 3 tokens; post-EOS tokens 7, <pad>
+        [w("5"), w("6"), w("7"), w("8"), w("9")],  # never stops: all trained
+        [EOS, w("5"), EOS, w("5"), PAD],       # stops at once; post-EOS holds even another EOS
+    ])
+    return prompt_ids, prompt_mask, completion_ids
+
+
+def scramble(ids: torch.Tensor, where: torch.Tensor, vocab_size: int, seed: int) -> torch.Tensor:
+    """Replace ids at ``where`` by different, arbitrary ids (EOS and PAD included among the choices)."""
+    gen = torch.Generator().manual_seed(seed)
+    offset = torch.randint(1, vocab_size, ids.shape, generator=gen)
+    return torch.where(where, (ids + offset) % vocab_size, ids)
+
+
+def loss_and_grads(model, ref_model, prompt_ids, prompt_mask, completion_ids, mask, aggregation, kl_coef):
+    model.zero_grad(set_to_none=True)
+    captured = []
+
+    def keep(_module, _inputs, output):
+        output.retain_grad()
+        captured.append(output)
+
+    handle = model.get_input_embeddings().register_forward_hook(keep)
+    try:
+        logprobs = token_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask)
+    finally:
+        handle.remove()
+    # an off-policy pass: old log-probs a little away from the current ones (some ratios leave [0.8, 1.2])
+    shift = torch.tensor([[0.05, -0.3, 0.1, 0.0, 0.0], [0.25, -0.1, 0.0, 0.15, -0.05], [0.1, 0.0, 0.0, 0.0, 0.0]])
+    old = logprobs.detach() + shift
+    ref = None
+    if kl_coef:
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, prompt_ids, prompt_mask, completion_ids, mask)
+    loss, _ = policy_loss(logprobs, old, torch.tensor([1.0, -0.5, 2.0]), mask, aggregation=aggregation,
+                          normalizer=loss_normalizer([mask], aggregation), ref_logprobs=ref, kl_coef=kl_coef)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, captured[0].grad
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("aggregation", ["token_sum", "sequence_mean", "token_mean"])
+def test_padding_and_post_eos_tokens_get_exactly_zero_gradient(aggregation, kl_coef):
+    model, tokenizer = tiny_model_and_tokenizer(WORDS, seed=0)
+    ref_model, _ = tiny_model_and_tokenizer(WORDS, seed=1)
+    vocab_size = len(tokenizer)
+    prompt_ids, prompt_mask, completion_ids = hand_batch(tokenizer.get_vocab())
+    mask = completion_mask(completion_ids, [EOS])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]  # prompt EOS truncates nothing
+
+    loss, grads, embed_grad = loss_and_grads(model, ref_model, prompt_ids, prompt_mask, completion_ids, mask,
+                                             aggregation, kl_coef)
+    assert torch.isfinite(loss)
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
+    assert sum(g.abs().sum() for g in grads.values()) > 0
+
+    # embedding gradient: exactly 0 on prompt padding and post-EOS positions
+    attention = torch.cat([prompt_mask, mask], dim=1)
+    assert embed_grad.shape[:2] == attention.shape
+    assert (embed_grad[attention == 0] == 0).all()
+    # ...and not trivially 0: every row's real prompt tokens (EOS-terminated ones too) carry gradient
+    for b in range(3):
+        real_prompt = embed_grad[b, : prompt_ids.shape[1]][prompt_mask[b] == 1]
+        assert real_prompt.abs().sum() > 0
+    # the token right after a prompt-side EOS is trained: its logit row (the EOS position) gets gradient
+    assert embed_grad[1, prompt_ids.shape[1] - 1].abs().sum() > 0
+    assert embed_grad[2, prompt_ids.shape[1] - 1].abs().sum() > 0
+
+    # arbitrary other ids at every padding and post-EOS position: same loss, same gradient everywhere
+    new_prompt = scramble(prompt_ids, prompt_mask == 0, vocab_size, seed=1)
+    new_completion = scramble(completion_ids, mask == 0, vocab_size, seed=2)
+    assert not torch.equal(new_prompt, prompt_ids) and not torch.equal(new_completion, completion_ids)
+    assert torch.equal(completion_mask(new_completion, [EOS]), mask)
+    loss2, grads2, embed_grad2 = loss_and_grads(model, ref_model, new_prompt, prompt_mask, new_completion, mask,
+                                                aggregation, kl_coef)
+    torch.testing.assert_close(loss2, loss, atol=1e-7, rtol=0)
+    assert grads2.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads2[name], grad, atol=1e-7, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(embed_grad2, embed_grad, atol=1e-7, rtol=0)
