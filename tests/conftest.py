@@ -32,6 +32,16 @@ def tiny_config_dict(tmp_path, **overrides) -> dict:
 
 
 @pytest.fixture
+def tiny_config_data(tmp_path):
+    """Factory: ``tiny_config_data(steps=...)`` -> plain config data (for YAML files)."""
+
+    def make(**overrides):
+        return tiny_config_dict(tmp_path, **overrides)
+
+    return make
+
+
+@pytest.fixture
 def tiny_config(tmp_path):
     """Factory: ``tiny_config(algorithm={...}, steps=...)`` -> validated TrainConfig."""
 

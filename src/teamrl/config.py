@@ -114,6 +114,8 @@ class TeamConfig:
     device: str = _doc("Torch device for every agent ('cpu', 'cuda', 'cuda:1', ...).", "cpu")
 
     def validate(self, path: str) -> None:
+        self.sampling.validate(f"{path}.sampling")
+        self.lora.validate(f"{path}.lora")
         _check(len(self.agents) >= 1, f"{path}.agents", "needs at least one agent", self.agents)
         names = [a.name for a in self.agents]
         _check(len(set(names)) == len(names), f"{path}.agents", "agent names must be unique", names)
@@ -123,8 +125,6 @@ class TeamConfig:
             _check(agent.lr is None or agent.lr > 0, f"{path}.agents[{i}].lr", "must be > 0", agent.lr)
             self.agent_sampling(i).validate(f"{path}.agents[{i}].sampling")
             _check_model_spec(agent.model or self.model, f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
-        self.sampling.validate(f"{path}.sampling")
-        self.lora.validate(f"{path}.lora")
 
     def agent_sampling(self, index: int) -> SamplingConfig:
         """The team's sampling settings with agent ``index``'s overrides applied."""

@@ -126,8 +126,9 @@ class Team:
                 base_spec=spec,
             )
             if config.training == "lora":
-                agent.model = _add_adapter(model, agent.name, config)
-                agent.adapter = agent.name
+                # Prefixed: PEFT mis-handles adapter names that are substrings of its own "lora_" prefix.
+                agent.adapter = f"agent_{agent.name}"
+                agent.model = _add_adapter(model, agent.adapter, config)
                 shared_bases[spec] = (agent.model, tokenizer)
             else:
                 if need_reference:

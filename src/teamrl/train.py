@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -177,6 +178,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def _resume(self) -> None:
+        for partial in (self.run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed mid-save
+            shutil.rmtree(partial, ignore_errors=True)
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None:
             return

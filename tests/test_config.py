@@ -1,0 +1,88 @@
+"""Config loading: documented defaults, overrides, and one-line errors that name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from teamrl.config import ConfigError, TrainConfig, config_from_dict, describe_fields, load_config
+
+
+def test_defaults_validate_and_every_field_is_documented():
+    config = config_from_dict({})
+    assert isinstance(config, TrainConfig)
+    assert config.algorithm.num_generations == 4 and config.algorithm.advantage == "mean"
+    for name, _default, help_text in describe_fields():
+        assert help_text, f"config field {name} has no documentation"
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  num_generations: 6\nteam:\n  sampling: {max_new_tokens: 12}\n")
+    config = load_config(path, ["algorithm.num_turns=2", "optim.lr=0.01", "team.agents=[{name: a}, {name: b}]"])
+    assert config.algorithm.num_generations == 6
+    assert config.algorithm.num_turns == 2
+    assert config.optim.lr == 0.01
+    assert config.team.sampling.max_new_tokens == 12
+    assert [a.name for a in config.team.agents] == ["a", "b"]
+
+
+def test_per_agent_sampling_overrides_the_team_settings():
+    config = config_from_dict({"team": {"sampling": {"temperature": 0.9, "max_new_tokens": 10},
+                                        "agents": [{"name": "a", "sampling": {"max_new_tokens": 30}}, {"name": "b"}]}})
+    assert config.team.agent_sampling(0).max_new_tokens == 30
+    assert config.team.agent_sampling(0).temperature == 0.9
+    assert config.team.agent_sampling(1).max_new_tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"algorithm": {"num_generatons": 4}}, "algorithm.num_generatons"),        # unknown key (typo)
+        ({"bogus": 1}, "bogus"),
+        ({"algorithm": {"num_generations": "four"}}, "algorithm.num_generations"),  # wrong type
+        ({"optim": {"lr": "fast"}}, "optim.lr"),
+        ({"steps": 2.5}, "steps"),
+        ({"logging": {"tensorboard": "yes"}}, "logging.tensorboard"),
+        ({"algorithm": {"num_generations": 1}}, "algorithm.num_generations"),       # G < 2
+        ({"algorithm": {"joint_mode": "diagonal"}}, "algorithm.joint_mode"),
+        ({"team": {"model": "/no/such/model/dir"}}, "team.model"),                  # missing model path
+        ({"team": {"model": "./missing.gguf"}}, "team.model"),
+        ({"team": {"agents": [{"name": "a", "model": "/nope"}, {"name": "b"}]}}, "team.agents[0].model"),
+        ({"team": {"agents": [{"name": "a"}, {"name": "a"}]}}, "team.agents"),
+        ({"team": {"agents": [{"model": "tiny"}]}}, "team.agents[0].name"),          # required field
+        ({"team": {"agents": [{"name": "a", "sampling": {"temprature": 1}}]}}, "team.agents[0].sampling.temprature"),
+        ({"team": {"sampling": {"top_p": 0}}}, "team.sampling.top_p"),
+        ({"optim": {"betas": [0.9]}}, "optim.betas"),
+    ],
+)
+def test_bad_values_name_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(data)
+    message = str(err.value)
+    assert message.startswith(field + ":"), message
+    assert "\n" not in message
+
+
+def test_cli_reports_a_bad_config_in_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm:\n  num_generations: 1\n")
+    result = subprocess.run([sys.executable, "-m", "teamrl.cli", "train", str(path)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "teamrl: error: algorithm.num_generations: must be >= 2: a group-relative advantage needs at least "
+        "two samples (got 1)"
+    ]
+
+
+def test_missing_config_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="must look like"):
+        load_config(None, ["no_equals_sign"])
