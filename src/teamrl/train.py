@@ -173,8 +173,13 @@ class Trainer:
         probe = AlgorithmConfig(num_generations=max(2, num_samples), num_turns=1)
         with torch.no_grad():
             tree = magrpo.rollout(self.team, self.env, items, probe)
-        rewards = torch.tensor([r.total for r in tree.turns[0].results])
-        return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())}
+        results = tree.turns[0].results
+        rewards = torch.tensor([r.total for r in results])
+        metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())}
+        for part in sorted({name for r in results for name in r.parts}):
+            # A gated reward's unreached parts are absent: they count as zero in the mean.
+            metrics[f"reward/{part}"] = sum(r.parts.get(part, 0.0) for r in results) / len(results)
+        return metrics
 
     # ----------------------------------------------------------------------------------------------
     def _resume(self) -> None:
