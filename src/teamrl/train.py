@@ -69,6 +69,10 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, team: Team | None = None, env: Environment | None = None):
         self.config = config
+        if config.logging.tensorboard:
+            _require("tensorboard", "logging.tensorboard")
+        if config.logging.wandb_project:
+            _require("wandb", "logging.wandb_project")
         _seed_everything(config.seed)
         self.env = env if env is not None else make_env(config.env.name, **config.env.kwargs)
         if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
@@ -249,6 +253,13 @@ def _progress(config: TrainConfig, initial: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=config.steps, initial=initial, desc="MAGRPO", unit="step", dynamic_ncols=True)
+
+
+def _require(package: str, field: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"{field}: needs the {package!r} package; pip install 'teamrl[{package}]' or turn it off")
 
 
 def _seed_everything(seed: int) -> None:

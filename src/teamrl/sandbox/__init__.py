@@ -1,1 +1,34 @@
-"""teamrl.sandbox."""
+"""Isolated execution of model-written code.
+
+Model-written code is hostile: it never runs in the trainer's process. Each program runs in a
+bubblewrap sandbox (no network, its own PID namespace, a read-only file system but for a private
+scratch tmpfs, a clean environment, per-process resource limits, a wall-clock budget), one forked
+process per test, under a small trusted driver that reports each test's outcome on a pipe the
+program cannot reach. ``SandboxPool`` runs many programs concurrently.
+
+    pool = SandboxPool()
+    record = pool.run([Program(code, humaneval_tests(test, entry_point))])[0]
+    record.passed, record.total, record.tests[0].message
+"""
+
+from teamrl.sandbox.bubblewrap import SandboxUnavailableError, find_bubblewrap
+from teamrl.sandbox.limits import SandboxLimits
+from teamrl.sandbox.program import Program, humaneval_tests
+from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
+from teamrl.sandbox.runner import SandboxError, SandboxPool, run_program
+
+__all__ = [
+    "ABORTED",
+    "COMPLETED",
+    "TIMED_OUT",
+    "ExecutionRecord",
+    "Program",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxPool",
+    "SandboxUnavailableError",
+    "TestOutcome",
+    "find_bubblewrap",
+    "humaneval_tests",
+    "run_program",
+]

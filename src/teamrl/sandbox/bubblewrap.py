@@ -1,0 +1,152 @@
+"""The bubblewrap command line that isolates one program, and finding a working bubblewrap."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`, Fedora: `dnf install bubblewrap`), "
+    "or pass allow_unsandboxed=True to run model-written code WITHOUT isolation (resource limits only)"
+)
+
+#: Where the sandboxed program's private writable directory (its cwd and $HOME) is mounted.
+SCRATCH_DIR = "/tmp"
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Files the dynamic loader (and the Debian alternatives symlinks) need; none holds secrets.
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives")
+
+
+class SandboxUnavailableError(RuntimeError):
+    """bubblewrap is missing or cannot create a sandbox on this machine."""
+
+
+@dataclass(frozen=True)
+class Bubblewrap:
+    """A bubblewrap binary and what it supports.
+
+    Attributes:
+        path: the ``bwrap`` executable.
+        version: its version as a tuple, e.g. ``(0, 8, 0)``.
+        privileged: we run it as root. A user namespace made by root maps the sandbox user onto the
+            host's root, for which the kernel ignores RLIMIT_NPROC (no fork-bomb limit) and which
+            may write /proc/sys. So then the sandbox gets no user namespace, and the driver switches
+            to a fresh unprivileged host uid before it reads anything (bubblewrap's
+            ``--unshare-user`` is used only when we are not root).
+    """
+
+    path: str
+    version: tuple[int, ...]
+    privileged: bool
+
+    @property
+    def supports_size(self) -> bool:
+        """``--size`` for tmpfs (bubblewrap 0.7)."""
+        return self.version >= (0, 7)
+
+    @property
+    def supports_disable_userns(self) -> bool:
+        """``--disable-userns`` (bubblewrap 0.8)."""
+        return self.version >= (0, 8)
+
+
+def python_roots() -> tuple[str, ...]:
+    """Directories this interpreter needs inside the sandbox, beyond the system directories.
+
+    The install prefixes (a virtualenv's and its base interpreter's) and the directory of the real
+    executable, without the ones already under a system directory or under another root.
+    """
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable))}
+    system = tuple(os.path.realpath(path) for path in _SYSTEM_DIRS if os.path.isdir(path))
+    roots: list[str] = []
+    for path in sorted(os.path.abspath(candidate) for candidate in candidates):
+        real = os.path.realpath(path)
+        if any(_is_within(real, parent) for parent in system) or any(_is_within(path, r) for r in roots):
+            continue
+        roots.append(path)
+    return tuple(roots)
+
+
+def _is_within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...]) -> list[str]:
+    """The bubblewrap arguments (up to and excluding the command) for one sandbox.
+
+    No network, IPC, UTS or PID sharing with the host (``--die-with-parent``: the sandbox dies with
+    us; its own PID 1 takes every process in it down when the driver exits); a read-only view of the
+    system directories and the interpreter; a fresh read-only ``/proc`` of the sandbox's PID
+    namespace; a minimal ``/dev``; a private size-limited tmpfs as the writable cwd; a new session
+    (no terminal to inject keystrokes into). In privileged mode the sandbox keeps only CAP_SETUID and
+    CAP_SETGID, which the driver uses once to become an unprivileged user and thereby loses.
+    """
+    args = [bwrap.path, "--die-with-parent", "--new-session"]
+    if bwrap.privileged:
+        args += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-all", "--unshare-user"]
+        if bwrap.supports_disable_userns:
+            args.append("--disable-userns")
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in _SYSTEM_FILES:
+        args += ["--ro-bind-try", path, path]
+    args += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--perms", "1777"]
+    if bwrap.supports_size:
+        args += ["--size", str(scratch_bytes)]
+    args += ["--tmpfs", SCRATCH_DIR, "--chdir", SCRATCH_DIR]
+    # After the scratch tmpfs, so an interpreter installed under /tmp is not hidden by it. Parent
+    # directories are created world-traversable: bubblewrap would copy e.g. /root's 0700, which the
+    # unprivileged sandbox user could not enter.
+    created: set[str] = set()
+    for root in roots:
+        parents = [parent for parent in Path(root).parents if str(parent) != "/"]
+        for parent in map(str, reversed(parents)):
+            if parent not in created and not parent.startswith(SCRATCH_DIR + "/"):
+                args += ["--perms", "0755", "--dir", parent]
+                created.add(parent)
+        args += ["--ro-bind", root, root]
+    return args
+
+
+def _version(path: str) -> tuple[int, ...]:
+    output = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", output)
+    if not match:
+        raise SandboxUnavailableError(f"cannot read the bubblewrap version from {output!r} ({path} --version)")
+    return tuple(int(part) for part in match.groups() if part is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def find_bubblewrap() -> Bubblewrap:
+    """Locate bubblewrap and check that it can actually start a sandbox here (cached).
+
+    Raises:
+        SandboxUnavailableError: ``bwrap`` is not on PATH, or a trial sandbox fails (for example
+            user namespaces are disabled for unprivileged users); the message says why and what to do.
+    """
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailableError(f"bubblewrap (`bwrap`) was not found on PATH; {INSTALL_HINT}")
+    bwrap = Bubblewrap(path=path, version=_version(path), privileged=os.geteuid() == 0)
+    trial = bwrap_command(bwrap, 1 << 20, python_roots()) + [sys.executable, "-I", "-c", "pass"]
+    result = subprocess.run(trial, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    if result.returncode != 0:
+        raise SandboxUnavailableError(
+            f"bubblewrap is installed ({path}) but could not start a sandbox here "
+            f"(exit {result.returncode}): {result.stderr.strip()!r}; {INSTALL_HINT}"
+        )
+    return bwrap

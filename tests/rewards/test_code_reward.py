@@ -1,0 +1,264 @@
+"""The coding task's joint reward and the code extraction it stands on, part by part."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+
+import pytest
+
+from teamrl.envs.code_extract import extract_code, join_team_program, strip_markdown
+from teamrl.rewards.code import (MAX_REWARD, analyse_team_code, calls_function, code_reward, grade_team_code,
+                                 ignores_result, is_thin_wrapper, returns_value)
+from teamrl.sandbox import ExecutionRecord, SandboxLimits, SandboxPool, TestOutcome
+
+# ----------------------------------------------------------------------------------------------
+# Extraction
+
+
+def test_fenced_code_is_taken_and_chatter_around_it_dropped():
+    completion = (
+        "Sure! Here is the helper:\n\n```python\nimport math\n\ndef aux(x):\n    return math.sqrt(x)\n```\n"
+        "It computes a root. Example output:\n```text\n2.0\n```\nHope this helps!"
+    )
+    code = extract_code(completion)
+    assert code.imports == ("import math",)
+    assert [d.name for d in code.definitions] == ["aux"]
+    assert code.source == "import math\n\n\ndef aux(x):\n    return math.sqrt(x)\n"
+
+
+def test_unclosed_fence_and_indented_block_are_recovered():
+    assert strip_markdown("```py\n    def f():\n        return 1\n") == "def f():\n    return 1"
+    code = extract_code("text\n```\ndef f():\n    return 1\n```\n```\ndef g():\n    return f()\n")
+    assert [d.name for d in code.definitions] == ["f", "g"]
+
+
+def test_unfenced_chatter_examples_and_main_blocks_are_dropped():
+    completion = (
+        "Here's my solution to the class of problems (import this function in your code):\n"
+        "from typing import List\n"
+        "def entry(xs: List[int]) -> int:\n"
+        "    total = aux(xs)\n"
+        "    return total\n"
+        "This works because aux sums.\n"
+        "print(entry([1, 2]))\n"
+        "assert entry([1]) == 1\n"
+        "if __name__ == '__main__':\n"
+        "    entry([3])\n"
+    )
+    code = extract_code(completion)
+    assert code.imports == ("from typing import List",)
+    assert [(d.name, d.parses) for d in code.definitions] == [("entry", True)]
+    assert "print" not in code.source and "__main__" not in code.source and "class" not in code.source
+
+
+def test_last_complete_duplicate_wins():
+    completion = (
+        "def f(x):\n    return 1\n"
+        "Wait, fix:\n"
+        "def f(x):\n    return 2\n"
+        "Even better:\n"
+        "def f(x):\n    return (3\n"  # cut off by the token limit: does not parse
+    )
+    (definition,) = extract_code(completion).definitions
+    assert definition.parses and definition.source == "def f(x):\n    return 2"
+    (broken,) = extract_code("def f(x):\n    return (\nok\ndef f(x):\n    return [\n").definitions
+    assert not broken.parses and broken.source == "def f(x):\n    return ["
+
+
+def test_decorators_async_and_black_style_signatures_survive_the_line_rules():
+    completion = (
+        "Some prose first.\n"
+        "@functools.lru_cache(maxsize=None)\n"
+        "def fib(\n"
+        "    n: int,\n"
+        "):\n"
+        "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "async def later():\n    return 1\n"
+        "class Box:\n    value = 1\n"
+        "and that's all.\n"
+    )
+    code = extract_code(completion)
+    assert [(d.name, d.kind, d.parses) for d in code.definitions] == [
+        ("fib", "function", True), ("later", "function", True), ("Box", "class", True)]
+    assert code.definitions[0].source.startswith("@functools.lru_cache")
+
+
+def test_join_keeps_the_helpers_aux_and_hoists_imports():
+    helper = extract_code("import math\ndef aux(x):\n    return math.floor(x)\n")
+    main = extract_code("import math\nimport re\ndef aux(x):\n    return 0\ndef entry(x):\n    return aux(x) + 1\n")
+    program = join_team_program(helper, main)
+    assert program == ("import math\nimport re\n\n\ndef aux(x):\n    return math.floor(x)\n\n\n"
+                       "def entry(x):\n    return aux(x) + 1\n")
+    lonely = join_team_program(extract_code(""), main)
+    assert "def aux" not in lonely  # main's aux never stands in for the helper's
+
+
+def test_extraction_rejects_non_text():
+    with pytest.raises(TypeError, match="completion text"):
+        extract_code(None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The AST facts
+
+
+def _function(source: str) -> ast.FunctionDef:
+    return ast.parse(source).body[0]
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("def aux(x):\n    return x * 2\n", True),
+    ("def aux(x):\n    if x:\n        return [x]\n    return None\n", True),
+    ("def aux(x):\n    print(x)\n", False),
+    ("def aux(x):\n    return\n", False),
+    ("def aux(x):\n    return None\n", False),
+    ("def aux(x):\n    def inner():\n        return x\n    inner()\n", False),
+    ("def aux(x):\n    return (x +\n", True),  # does not parse: judged by its lines
+    ("def aux(x):\n    return None  # nothing\n  oops(\n", False),
+])
+def test_returns_value(source, expected):
+    (definition,) = extract_code(source).definitions
+    assert returns_value(definition) is expected
+
+
+@pytest.mark.parametrize(("body", "calls", "ignores"), [
+    ("return aux(x) + 1", True, False),
+    ("return list(map(aux, x))", True, False),
+    ("return sorted(x, key=aux)", True, False),
+    ("return (lambda y: aux(y))(x)", True, False),
+    ("aux(x)\n    return x", True, True),
+    ("y = aux(x)\n    return y", True, False),
+    ("return 'aux(x)'", False, False),
+    ("return helper.aux(x)", False, False),
+])
+def test_calls_and_ignored_results(body, calls, ignores):
+    main = _function(f"def entry(x):\n    {body}\n")
+    assert calls_function(main, "aux") is calls
+    assert ignores_result(main, "aux") is ignores
+
+
+@pytest.mark.parametrize(("source", "thin"), [
+    ("def entry(a, b):\n    return aux(a, b)\n", True),
+    ("def entry(a, b):\n    '''Docs.'''\n    return aux(b, a)\n", True),
+    ("def entry(a):\n    result = aux(a)\n    return result\n", True),
+    ("def entry(a):\n    result: int = aux(a, 1)\n    return result\n", True),
+    ("def entry(*args, **kwargs):\n    return aux(*args, key=None, **kwargs)\n", True),
+    ("def entry(a):\n    return aux(sorted(a))\n", False),
+    ("def entry(a):\n    return aux(a) + 1\n", False),
+    ("def entry(a):\n    return aux(a) if a else []\n", False),
+    ("def entry(a):\n    if not a:\n        return []\n    return aux(a)\n", False),
+    ("def entry(a):\n    result = aux(a)\n    return a\n", False),
+    ("def entry(a):\n    return other(a)\n", False),
+    ("def entry(a):\n    return aux(GLOBAL)\n", False),
+])
+def test_thin_wrapper(source, thin):
+    assert is_thin_wrapper(_function(source), "aux") is thin
+
+
+# ----------------------------------------------------------------------------------------------
+# The reward, level by level, against hand-computed values
+
+
+def _record(*passed: bool) -> ExecutionRecord:
+    return ExecutionRecord(tests=tuple(TestOutcome(index=i, passed=p) for i, p in enumerate(passed)),
+                           status="completed", exit_code=0)
+
+
+AUX_OK = "def aux(xs):\n    return sum(xs)\n"
+AUX_SILENT = "def aux(xs):\n    print(xs)\n"
+MAIN_COOPERATES = "def entry(xs):\n    if not xs:\n        return 0\n    return aux(xs) * 2\n"
+MAIN_THIN = "def entry(xs):\n    return aux(xs)\n"
+MAIN_IGNORES = "def entry(xs):\n    aux(xs)\n    return len(xs)\n"
+MAIN_ALONE = "def entry(xs):\n    return sum(xs) * 2\n"
+
+
+@pytest.mark.parametrize(("aux", "main", "passed", "parts"), [
+    # main missing: only the helper's structure counts, everything after is gated off
+    (AUX_OK, "def other(xs):\n    return 1\n", None, {"aux_structure": 0.4, "main_structure": 0.0}),
+    # program does not parse (main is broken)
+    (AUX_OK, "def entry(xs):\n    return aux(xs\n", None,
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.0}),
+    # no aux at all, main solves 3 of 4 tests alone
+    ("", MAIN_ALONE, (True, True, True, False),
+     {"aux_structure": 0.0, "main_structure": 0.6, "syntax": 0.5, "tests": 0.75, "cooperation": 0.0}),
+    # full marks: aux returns, main calls it and does work of its own
+    (AUX_OK, MAIN_COOPERATES, (True, True),
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
+      "non_wrapper": 1.0, "ignored_aux_result": 0.0}),
+    # thin wrapper: no non-wrapper bonus
+    (AUX_OK, MAIN_THIN, (True, True),
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
+      "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
+    # aux's result thrown away, half the tests pass
+    (AUX_OK, MAIN_IGNORES, (True, False),
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.5,
+      "non_wrapper": 1.0, "ignored_aux_result": -0.5}),
+    # no test passes: no cooperation bonus even though main calls aux
+    (AUX_OK, MAIN_COOPERATES, (False, False, False),
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.0, "cooperation": 0.0}),
+    # aux returns nothing: its structure part and the cooperation bonus are lost
+    (AUX_SILENT, MAIN_COOPERATES, (True, True),
+     {"aux_structure": 0.0, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.0}),
+])
+def test_reward_parts(aux, main, passed, parts):
+    analysis = analyse_team_code(aux, main, "entry")
+    result = code_reward(analysis, _record(*passed) if passed is not None else None)
+    assert result.parts == pytest.approx(parts)
+    assert result.total == pytest.approx(sum(parts.values()))
+
+
+def test_maximum_is_four():
+    result = code_reward(analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry"), _record(True))
+    assert result.total == pytest.approx(MAX_REWARD) == pytest.approx(4.0)
+
+
+def test_analysis_records_what_feedback_needs():
+    analysis = analyse_team_code(AUX_OK, "def entry(xs):\n    return aux(xs\n", "entry")
+    assert not analysis.needs_tests and analysis.syntax_error.startswith("line ")
+    assert analysis.program.startswith(AUX_OK.rstrip())
+
+
+def test_reward_refuses_missing_or_empty_records():
+    analysis = analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry")
+    with pytest.raises(ValueError, match="record is required"):
+        code_reward(analysis, None)
+    with pytest.raises(ValueError, match="no tests"):
+        code_reward(analysis, _record())
+
+
+@pytest.mark.parametrize(("entry", "aux_name", "problem"), [
+    ("not valid", "aux", "entry_point"), ("entry", "1aux", "aux_name"), ("aux", "aux", "differ")])
+def test_analysis_rejects_bad_names(entry, aux_name, problem):
+    with pytest.raises(ValueError, match=problem):
+        analyse_team_code(AUX_OK, MAIN_COOPERATES, entry, aux_name)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end through the sandbox
+
+
+@pytest.fixture(scope="module")
+def pool():
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    with SandboxPool(SandboxLimits(test_timeout_s=2.0, program_timeout_s=5.0), workers=2) as sandbox_pool:
+        yield sandbox_pool
+
+
+def test_grade_team_code_runs_only_what_needs_running(pool):
+    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11")
+    grades = grade_team_code(
+        aux_completions=[f"```python\n{AUX_OK}```", AUX_OK, "nothing here"],
+        main_completions=[MAIN_COOPERATES, "I could not solve it.", "```python\ndef entry(xs)\n    return 0\n```"],
+        entry_points=["entry"] * 3, tests=[tests] * 3, pool=pool)
+    cooperative, missing, broken = grades
+    assert cooperative.record.passed == 2 and cooperative.record.tests[2].actual == "10"
+    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 2 / 3 + 0.5 + 1.0)
+    assert missing.record is None and missing.reward.total == pytest.approx(0.4)
+    assert broken.record is None and broken.reward.total == pytest.approx(0.6)
+
+
+def test_grade_team_code_checks_batch_sizes(pool):
+    with pytest.raises(ValueError, match="same length"):
+        grade_team_code(["a"], ["b", "c"], ["entry"], [["assert True"]], pool)
