@@ -1,0 +1,297 @@
+"""The paper's two writing tasks: TLDR two-level summaries (``"tldr"``) and arXiv abstract expansion (``"arxiv"``).
+
+Both are single-turn, two-agent tasks. Each agent sees the same text with its own instructions and
+writes its part without seeing its partner's; one joint reward
+(:func:`~teamrl.rewards.writing.tldr_reward` or :func:`~teamrl.rewards.writing.arxiv_reward`, max 3.0)
+scores the pair, with the reward's levels as the result's ``parts``.
+
+Data sources (the ``source`` argument), all read through :mod:`teamrl.data`:
+
+* ``"aclsum"`` (default, offline): the ACL papers of the ``aclsum`` package; the abstract is the text,
+  and for arXiv the paper's introduction is kept as the item's ``reference``. Splits: train (100) and,
+  held out, validation (50).
+* ``"hub"``: the paper's dataset on the Hugging Face hub (needs ``datasets`` and a network):
+  ``trl-lib/tldr`` (field ``prompt``; the human TL;DR ``completion`` is the reference; eval on ``test``)
+  or ``OpenMLRL/arXiv_abstract`` (field ``abstract_text``, id ``article_id``; eval on ``val``).
+* anything else: a local file (``.jsonl``, ``.json``, ``.csv``, ``.parquet``) or another hub dataset
+  id, with the text in ``text_field`` (default ``"text"``). A file without splits is split
+  deterministically (``eval_size``, ``seed``); a path containing ``{split}`` names one file a split.
+
+Items are dicts with ``id``, ``text`` (what the agents read, cut to ``max_text_chars``) and, where the
+source has one, ``reference``. The eval items never overlap the training items: an eval item whose id
+or text is also a training item's is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from teamrl import data
+from teamrl.envs.base import Environment, Item, Step, register_env
+from teamrl.rewards.base import RewardResult
+from teamrl.rewards.text import TRANSITION_CATEGORIES
+from teamrl.rewards.writing import WRITING_MAX_REWARD, arxiv_reward, tldr_reward
+
+#: Marks where :func:`truncate` cut a text.
+ELLIPSIS = " ..."
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """Where a source keeps what a writing task needs.
+
+    ``text_field``: the text both agents read. ``id_field``: a unique id per record (None: ids are
+    made from the split and the record's position). ``reference_field``: a human-written target kept
+    in the item as ``reference`` (None: no reference). ``eval_split``: the held-out split's name.
+    """
+
+    text_field: str
+    id_field: str | None = None
+    reference_field: str | None = None
+    eval_split: str = "validation"
+
+
+def truncate(text: str, max_chars: int | None) -> str:
+    """``text`` stripped, and cut to at most ``max_chars`` characters if longer.
+
+    A cut text ends at the last whitespace inside the limit (a word is never split unless it is the
+    only one) and is marked with :data:`ELLIPSIS`, which counts towards ``max_chars``.
+    ``max_chars`` must exceed ``len(ELLIPSIS)``; None keeps the whole text.
+    """
+    text = text.strip()
+    if max_chars is None or len(text) <= max_chars:
+        return text
+    head = text[: max_chars - len(ELLIPSIS)]
+    if not head[-1].isspace() and not text[len(head)].isspace():
+        # the cut falls inside a word: drop its first part, unless it is the only word
+        words = head.rsplit(None, 1)
+        head = words[0] if len(words) == 2 else head
+    return head.rstrip() + ELLIPSIS
+
+
+class WritingEnv(Environment):
+    """A single-turn, two-agent writing task over a text; subclasses fix the task (prompts, reward, data).
+
+    Args:
+        source: ``"aclsum"``, ``"hub"``, a local file path or a hub dataset id (see the module docstring).
+        text_field: field holding the text; default: the source's (``"text"`` for files and other ids).
+        id_field: field holding a unique id; default: the source's, or ``"id"`` when a file's records
+            all have one; otherwise an item's id is its position in the source, ``"<split>-<position>"``
+            for a source with splits.
+        reference_field: field kept as the item's ``reference``; default: the source's (none for files).
+        train_split: the source's training split (ignored for a file without splits).
+        eval_split: the source's held-out split; default: the source's (``"validation"`` for files with
+            ``{split}`` and for other hub ids).
+        num_train: at most this many training items, the first ones of the split (None: all).
+        num_eval: at most this many eval items (None: all).
+        eval_size: for a source without splits, how many records are held out for eval: a count
+            (int >= 1) or a fraction (float in (0, 1)).
+        seed: seed of that hold-out split.
+        max_text_chars: cut each text to at most this many characters (None: keep whole texts).
+
+    Attributes ``source`` (the resolved source: ``"hub"`` becomes the hub dataset id) and ``layout``
+    (the fields and eval split in use) record what was loaded.
+    """
+
+    num_agents = 2
+    max_turns = 1
+    max_reward = WRITING_MAX_REWARD
+    #: The task's reward, a function of (agent 0's completion, agent 1's completion).
+    reward: Callable[[str, str], RewardResult]
+    #: Hub dataset used by ``source="hub"`` and where it keeps the task's fields.
+    hub_dataset: str
+    hub_layout: SourceLayout
+    #: Where aclsum keeps the task's fields.
+    aclsum_layout: SourceLayout
+    #: How the observation introduces the text ("Text", "Abstract").
+    text_label: str
+    #: Each agent's instruction, placed after the text in its observation (closest to where it writes).
+    instructions: tuple[str, str]
+
+    def __init__(
+        self,
+        source: str = data.ACLSUM,
+        *,
+        text_field: str | None = None,
+        id_field: str | None = None,
+        reference_field: str | None = None,
+        train_split: str = "train",
+        eval_split: str | None = None,
+        num_train: int | None = 1000,
+        num_eval: int | None = 1000,
+        eval_size: int | float = 0.2,
+        seed: int = 0,
+        max_text_chars: int | None = None,
+    ):
+        _check_limit("num_train", num_train)
+        _check_limit("num_eval", num_eval)
+        _check_limit("max_text_chars", max_text_chars, minimum=len(ELLIPSIS) + 1)
+        if isinstance(eval_size, bool) or not (
+            (isinstance(eval_size, int) and eval_size >= 1) or (isinstance(eval_size, float) and 0 < eval_size < 1)
+        ):
+            raise ValueError(f"env.kwargs.eval_size: must be an int >= 1 or a float in (0, 1) (got {eval_size!r})")
+        self.source = self.hub_dataset if source == "hub" else source
+        default = self._default_layout(source)
+        self.layout = SourceLayout(
+            text_field=text_field or default.text_field,
+            id_field=id_field or default.id_field,
+            reference_field=reference_field or default.reference_field,
+            eval_split=eval_split or default.eval_split,
+        )
+        self.max_text_chars = max_text_chars
+        if data.has_splits(self.source):
+            train = self._load(train_split, num_train)
+            evaluation = self._load(self.layout.eval_split, num_eval)
+        else:
+            everything = self._load(None, None)
+            try:
+                train, evaluation = data.holdout_split(everything, eval_size, seed)
+            except data.DataError as err:
+                raise data.DataError(f"env.kwargs.eval_size: {self.source}: {err}") from None
+            train, evaluation = train[:num_train], evaluation[:num_eval]
+        self._items = {"train": train, "eval": _without_overlap(evaluation, train)}
+        if not self._items["eval"]:
+            raise data.DataError(
+                f"{self.source}: every eval item repeats a training item (same id or text); "
+                "hold out other records (env.kwargs.eval_split, eval_size or seed)"
+            )
+
+    def _default_layout(self, source: str) -> SourceLayout:
+        if source in ("hub", self.hub_dataset):
+            return self.hub_layout
+        if source == data.ACLSUM:
+            return self.aclsum_layout
+        return SourceLayout(text_field="text")
+
+    def _load(self, split: str | None, limit: int | None) -> list[Item]:
+        """The items of ``split`` of the source (all of a file without splits when None), first ``limit``."""
+        layout = self.layout
+        fields = [f for f in (layout.text_field, layout.id_field, layout.reference_field) if f]
+        try:
+            records = data.load_records(self.source, split, limit=limit, fields=fields)
+        except data.MissingFieldError as err:
+            setting = {layout.text_field: "text_field", layout.id_field: "id_field"}.get(err.field, "reference_field")
+            raise data.DataError(f"{err}; set env.kwargs.{setting} to one of its fields") from None
+        id_field = layout.id_field or ("id" if all("id" in r for r in records) else None)
+        prefix = f"{split}-" if split is not None else ""
+        items = [self._item(record, index, id_field, prefix) for index, record in enumerate(records)]
+        _check_unique_ids(items, self.source, split)
+        return items
+
+    def _item(self, record: dict, index: int, id_field: str | None, prefix: str) -> Item:
+        text = record[self.layout.text_field]
+        if not isinstance(text, str) or not text.strip():
+            raise data.DataError(
+                f"{self.source}: record {index} field {self.layout.text_field!r} is empty or not text "
+                f"({str(text)[:40]!r}); set env.kwargs.text_field to the field holding the text"
+            )
+        item: Item = {
+            "id": str(record[id_field]) if id_field else f"{prefix}{index}",
+            "text": truncate(text, self.max_text_chars),
+        }
+        if self.layout.reference_field:
+            item["reference"] = record[self.layout.reference_field]
+        return item
+
+    def items(self, split: str = "train") -> Sequence[Item]:
+        """The ``'train'`` items or the held-out ``'eval'`` items (disjoint from train), in source order."""
+        if split not in self._items:
+            raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
+        return self._items[split]
+
+    def observe(self, item: Item) -> list[str]:
+        """Each agent's user message: the text under :attr:`text_label`, then that agent's instruction."""
+        return [f"{self.text_label}:\n{item['text']}\n\n{instruction}" for instruction in self.instructions]
+
+    def vocabulary(self) -> list[str]:
+        """For the word-level 'tiny' test model: every whitespace token of the roles, of every item's
+        observations and of the transition phrases the reward looks for, in first-seen order."""
+        observations = (obs for items in self._items.values() for item in items for obs in self.observe(item))
+        phrases = (phrase for group in TRANSITION_CATEGORIES.values() for phrase in group)
+        return list(dict.fromkeys(token for text in (*self.roles, *observations, *phrases) for token in text.split()))
+
+    def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
+        """The task's reward of (agent 0's completion, agent 1's completion), levels in ``parts``."""
+        if len(actions) != self.num_agents:
+            raise ValueError(f"{type(self).__name__} needs one completion per agent (2), got {len(actions)}")
+        return self.reward(actions[0], actions[1])
+
+
+def _check_limit(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"env.kwargs.{name}: must be an int >= {minimum} or null for no limit (got {value!r})")
+
+
+def _check_unique_ids(items: Sequence[Item], source: str, split: str | None) -> None:
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            where = f"{source} {split}" if split else source
+            raise data.DataError(
+                f"{where}: id {item['id']!r} occurs twice; set env.kwargs.id_field to a field with unique values"
+            )
+        seen.add(item["id"])
+
+
+def _without_overlap(evaluation: Sequence[Item], train: Sequence[Item]) -> list[Item]:
+    """The eval items whose id and text both differ from every training item's."""
+    ids = {item["id"] for item in train}
+    texts = {item["text"] for item in train}
+    return [item for item in evaluation if item["id"] not in ids and item["text"] not in texts]
+
+
+@register_env("tldr")
+class TldrEnv(WritingEnv):
+    """TL;DR two-level summaries: agent 0 writes a one-sentence summary, agent 1 a detailed paragraph.
+
+    Joint reward: :func:`teamrl.rewards.writing.tldr_reward` (max 3.0): both 8..256 tokens, the detailed
+    summary 1.6-3.2x longer with about twice the distinct words, transition words, shared content words.
+    Keyword arguments: see :class:`WritingEnv`.
+    """
+
+    reward = staticmethod(tldr_reward)
+    hub_dataset = "trl-lib/tldr"
+    hub_layout = SourceLayout(text_field="prompt", reference_field="completion", eval_split="test")
+    aclsum_layout = SourceLayout(text_field="abstract", id_field="id")
+    text_label = "Text"
+    roles = (
+        "You write very short summaries. A teammate writes the detailed summary of the same text, so you "
+        "give only the main point: one plain sentence, no lists, no preamble.",
+        "You write detailed summaries. A teammate writes the one-sentence summary of the same text, so you "
+        "explain the key points, the reasons and the outcome in one paragraph, linking ideas with words such "
+        "as first, because, however and finally. No lists, no preamble.",
+    )
+    instructions = (
+        "In one sentence of 15 to 25 words, state the main point of the text above.",
+        "Summarize the text above in detail: one paragraph of 3 to 4 sentences, in your own words.",
+    )
+
+
+@register_env("arxiv")
+class ArxivEnv(WritingEnv):
+    """arXiv expansion: from an abstract, agent 0 writes background & motivation, agent 1 methods & implications.
+
+    Joint reward: :func:`teamrl.rewards.writing.arxiv_reward` (max 3.0): both 128..256 tokens, the second
+    part 1.3-1.6x longer with a similar number of distinct words, transitions, shared content words.
+    Completions need room: ``max_new_tokens`` of about 350 or more. Keyword arguments: see
+    :class:`WritingEnv`.
+    """
+
+    reward = staticmethod(arxiv_reward)
+    hub_dataset = "OpenMLRL/arXiv_abstract"
+    hub_layout = SourceLayout(text_field="abstract_text", id_field="article_id", eval_split="val")
+    aclsum_layout = SourceLayout(text_field="abstract", id_field="id", reference_field="introduction")
+    text_label = "Abstract"
+    roles = (
+        "You write the first part of a research paper's introduction: the background and motivation. A "
+        "teammate writes the methods and implications, so you do not describe the method or its results. "
+        "Write plain paragraphs of prose, no headings, no lists.",
+        "You write the second part of a research paper's introduction: the methods and implications. A "
+        "teammate writes the background and motivation, so you do not repeat them. Explain what the paper "
+        "does, how, what it finds and why it matters. Write plain paragraphs of prose, no headings, no lists.",
+    )
+    instructions = (
+        "Write the background and motivation for this paper's introduction (about 150 words).",
+        "Write the methods and implications for this paper's introduction (about 200 words).",
+    )

@@ -1,0 +1,319 @@
+"""The coding environments: problems offline, grading through the real sandbox, multi-turn feedback,
+hostile joint actions, and training a tiny team on them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from teamrl.algorithms import magrpo
+from teamrl.envs import Step, make_env
+from teamrl.envs.code_extract import extract_code
+from teamrl.sandbox import SandboxUnavailableError
+from teamrl.train import Trainer
+
+DATA = Path(__file__).parent / "data"
+FAST_LIMITS = {"test_timeout_s": 1.0, "program_timeout_s": 3.0, "cpu_time_s": 1, "memory_bytes": 256 << 20}
+
+# HumanEval/0, has_close_elements(numbers, threshold): whether two numbers are closer than threshold.
+SORTING_AUX = "```python\ndef aux(numbers, threshold):\n    return sorted(numbers)\n```"
+MAIN_WITH_AUX = (
+    "Here is my function:\n```python\ndef has_close_elements(numbers, threshold):\n"
+    "    ordered = aux(numbers, threshold)\n"
+    "    return any(b - a < threshold for a, b in zip(ordered, ordered[1:]))\n```"
+)
+MAIN_ALONE = (
+    "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n    ordered = sorted(numbers)\n"
+    "    return any(b - a < threshold for a, b in zip(ordered, ordered[1:]))\n"
+)
+WRONG_MAIN = MAIN_WITH_AUX.replace("b - a < threshold", "b - a > threshold")
+CALLING_MAIN = "def has_close_elements(numbers, threshold):\n    return bool(aux(numbers, threshold))\n"
+HOSTILE_AUX = {
+    "infinite loop": "def aux(numbers, threshold):\n    while True:\n        pass\n",
+    "os._exit": "import os\n\ndef aux(numbers, threshold):\n    os._exit(0)\n",
+    "fork bomb": "import os\n\ndef aux(numbers, threshold):\n    while True:\n        os.fork()\n",
+    "kills its driver on load":
+        "import os\n\ndef aux(numbers, threshold, _=os.kill(os.getppid(), 9)):\n    return numbers\n",
+}
+
+needs_bubblewrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    env = make_env("humaneval", sandbox_workers=2, sandbox_limits=FAST_LIMITS)
+    yield env
+    env.close()
+
+
+def _problem(env, problem_id):
+    return next(item for split in ("train", "eval") for item in env.items(split) if item["id"] == problem_id)
+
+
+# ------------------------------------------------------------------------------------------------
+# Problems and observations
+
+
+def test_humaneval_loads_164_problems_offline_split_into_disjoint_train_and_eval(humaneval):
+    train, evaluation = humaneval.items("train"), humaneval.items("eval")
+    assert (len(train), len(evaluation)) == (132, 32)
+    ids = [item["id"] for item in [*evaluation, *train]]
+    assert ids == [f"HumanEval/{i}" for i in range(164)]  # eval is the paper's test[:32], train the rest
+    assert [item["id"] for item in make_env("humaneval").items("train")] == ids[32:]
+    sliced = make_env("humaneval", start=10, limit=5, eval_size=2)
+    assert [item["id"] for item in sliced.items("eval")] == ["HumanEval/10", "HumanEval/11"]
+    assert [item["id"] for item in sliced.items("train")] == ["HumanEval/12", "HumanEval/13", "HumanEval/14"]
+
+
+def test_items_hold_tests_labels_and_the_prompts_helpers(humaneval):
+    first = _problem(humaneval, "HumanEval/0")
+    assert first["entry_point"] == "has_close_elements" and first["parameters"] == "numbers, threshold"
+    assert first["preamble"] == "from typing import List\n"
+    assert len(first["tests"]) == len(first["test_labels"]) == 7
+    assert first["test_labels"][0] == "assert has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True"
+    zero = _problem(humaneval, "HumanEval/32")
+    assert "def poly(xs: list, x: float):" in zero["preamble"] and "def find_zero" not in zero["preamble"]
+
+
+def test_observations_differ_per_agent_and_contain_the_prompt(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    helper, main = humaneval.observe(item)
+    assert helper != main
+    for observation in (helper, main):
+        assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in observation
+        assert "any two numbers closer to each other" in observation
+    assert "Write a helper function `aux(numbers, threshold)`" in helper
+    assert "Implement `has_close_elements(numbers, threshold)`" in main and "Do not define `aux`" in main
+    assert humaneval.roles[0] != humaneval.roles[1] and "```python" in humaneval.roles[1]
+
+
+def test_vocabulary_lets_the_tiny_model_write_python_and_the_problems_names(humaneval):
+    words = humaneval.vocabulary()
+    assert {"def", "aux", "return", "```python", "has_close_elements", "threshold", "find_zero"} <= set(words)
+    assert len(words) == len(set(words))
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match=r"env.kwargs.eval_size: .* must be in 1..3 \(got 4\)"):
+        make_env("humaneval", limit=4, eval_size=4)
+    with pytest.raises(ValueError, match="env.kwargs.sandbox_limits: .*'wall_s'"):
+        make_env("humaneval", limit=4, eval_size=1, sandbox_limits={"wall_s": 1})
+    with pytest.raises(ValueError, match="env.kwargs: 'mbpp' does not accept"):
+        make_env("mbpp", path="x.jsonl")
+    with pytest.raises(ValueError, match="split must be 'train' or 'eval'"):
+        make_env("humaneval", limit=4, eval_size=1).items("test")
+
+
+def test_without_bubblewrap_the_sandbox_refuses_unless_allowed(monkeypatch):
+    def missing():
+        raise SandboxUnavailableError("bubblewrap (`bwrap`) was not found on PATH")
+
+    monkeypatch.setattr("teamrl.sandbox.runner.find_bubblewrap", missing)
+    env = make_env("humaneval", limit=2, eval_size=1)
+    with pytest.raises(SandboxUnavailableError, match="bwrap"):
+        env.joint_reward(env.items("train")[0], ("", "def separate_paren_groups(s):\n    return []\n"))
+    unsandboxed = make_env("humaneval", limit=2, eval_size=1, allow_unsandboxed=True)
+    assert unsandboxed.pool.sandboxed is False
+    unsandboxed.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Grading in the sandbox
+
+
+@needs_bubblewrap
+def test_joint_actions_score_what_the_code_reward_says(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    team, alone, garbage = humaneval.joint_rewards(
+        [(item, (SORTING_AUX, MAIN_WITH_AUX), ()), (item, ("", MAIN_ALONE), ()), (item, ("hello", "world"), ())])
+    assert team.total == pytest.approx(4.0) == humaneval.max_reward
+    assert team.parts["tests_passed"] == team.parts["tests_total"] == 7.0
+    # main alone: structure 0.6 + syntax 0.5 + tests 1.0, no helper and no cooperation
+    assert alone.total == pytest.approx(2.1)
+    assert alone.parts["aux_structure"] == 0.0 and alone.parts["tests"] == 1.0
+    assert garbage.total == 0.0 and "tests_total" not in garbage.parts
+
+
+@needs_bubblewrap
+def test_the_prompts_helpers_let_a_main_that_defines_only_the_entry_point_pass(humaneval):
+    item = _problem(humaneval, "HumanEval/32")  # find_zero's tests call poly, which only the prompt defines
+    main = extract_code(item["reference"]).definition("find_zero").source
+    assert [definition.name for definition in extract_code(main).definitions] == ["find_zero"]
+    assert humaneval.joint_reward(item, ("", main)).parts["tests"] == 1.0
+
+
+@needs_bubblewrap
+def test_a_batch_grade_is_cached_with_its_full_record(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    (reward,) = humaneval.joint_rewards([(item, (SORTING_AUX, WRONG_MAIN), ())])
+    grade = humaneval.grade(item, (SORTING_AUX, WRONG_MAIN))
+    assert grade.reward.total == reward.total and grade.record.total == 7
+    assert grade is humaneval.grade(item, [SORTING_AUX, WRONG_MAIN])  # no second run
+    assert [outcome.passed for outcome in grade.record.tests].count(False) == 3
+
+
+@needs_bubblewrap
+def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    batch = [(SORTING_AUX, MAIN_WITH_AUX), *((aux, CALLING_MAIN) for aux in HOSTILE_AUX.values()), ("", MAIN_ALONE)]
+    results = humaneval.joint_rewards([(item, actions, ()) for actions in batch])
+    assert results[0].total == pytest.approx(4.0) and results[-1].total == pytest.approx(2.1)
+    for name, result in zip(HOSTILE_AUX, results[1:-1]):
+        assert result.parts["tests"] == 0.0, name
+        assert result.parts["tests_total"] == 7.0, name
+    records = {name: humaneval.grade(item, (aux, CALLING_MAIN)).record for name, aux in HOSTILE_AUX.items()}
+    assert records["infinite loop"].timed_out
+    assert records["os._exit"].tests[0].error_type == "NoResult"
+    assert records["kills its driver on load"].status == "aborted"
+    # The sandbox is still usable afterwards.
+    assert humaneval.joint_reward(item, ("", MAIN_ALONE.replace("ordered", "xs"))).total == pytest.approx(2.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Feedback between turns
+
+
+def _next(env, item, actions):
+    step = Step(tuple(env.observe(item)), tuple(actions), env.joint_reward(item, actions))
+    return env.next_observations(item, [step])
+
+
+def test_feedback_gives_syntax_errors_and_undefined_names_of_each_agents_own_code(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    broken_aux = "```python\ndef aux(numbers, threshold):\n    return sorted(numbers\n```"
+    main = "def has_close_elements(numbers, threshold):\n    return closest_pair(aux(numbers, threshold)) < threshold\n"
+    helper_obs, main_obs = _next(humaneval, item, (broken_aux, main))
+    assert helper_obs.startswith(humaneval.observe(item)[0])  # the original task comes first
+    shown = "Your previous answer:\n```python\ndef aux(numbers, threshold):\n    return sorted(numbers\n```"
+    assert shown in helper_obs
+    assert "SyntaxError at line 2, column" in helper_obs and "closest_pair" not in helper_obs
+    assert "line 2, column 12: name 'closest_pair' is not defined" in main_obs
+    assert "name 'aux'" not in main_obs and "sorted(numbers" not in main_obs  # aux is known; no partner code
+    for observation in (helper_obs, main_obs):
+        assert "Tests were not run: the team's combined code does not parse." in observation
+    assert helper_obs.endswith("reply with the improved `aux` in one ```python block.")
+    assert main_obs.endswith("reply with the improved `has_close_elements` in one ```python block.")
+
+
+@needs_bubblewrap
+def test_feedback_lists_failed_tests_with_expected_and_actual_values(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    helper_obs, main_obs = _next(humaneval, item, (SORTING_AUX, WRONG_MAIN))
+    for observation in (helper_obs, main_obs):
+        assert ("3 of 7 tests failed:\n- assert has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False\n"
+                "  expected: False\n  actual:   True") in observation
+    assert "b - a > threshold" in main_obs and "b - a > threshold" not in helper_obs
+
+
+def test_feedback_on_missing_functions_and_an_unused_helper(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    helper_obs, main_obs = _next(humaneval, item, ("I would sort the numbers first.", "def helper(x):\n    return x\n"))
+    assert "Your previous answer:\nI would sort the numbers first." in helper_obs
+    assert "- No Python function definition was found in your answer." in helper_obs
+    assert "- Your code does not define the function `has_close_elements`." in main_obs
+    assert "Tests were not run: the team's code has no function `has_close_elements`." in main_obs
+    lazy = "def aux(numbers, threshold):\n    print(numbers)\n"
+    helper_obs, main_obs = _next(humaneval, item, (lazy, "def has_close_elements(numbers, threshold):\n    return"))
+    assert "- `aux` does not return a value." in helper_obs
+    assert "- `has_close_elements` does not call the helper `aux`." in main_obs
+
+
+# ------------------------------------------------------------------------------------------------
+# MBPP and CoopHumanEval from local files
+
+
+@needs_bubblewrap
+def test_mbpp_from_a_local_jsonl():
+    env = make_env("mbpp", source=str(DATA / "coding_mbpp.jsonl"), eval_size=1, sandbox_limits=FAST_LIMITS)
+    assert [item["id"] for item in env.items("eval")] == ["2"]
+    assert [item["entry_point"] for item in env.items("train")] == ["count_primes", "max_chain_length"]
+    primes, chain = env.items("train")
+    assert primes["parameters"] == "xs" and chain["preamble"] == "import math"
+    assert "Write a function to count the prime numbers" in env.observe(primes)[1]
+    assert "assert max_chain_length([Pair(5, 24)" in env.observe(chain)[0]  # the tests show the Pair class
+    helper = "def aux(n):\n    return n > 1 and all(n % d for d in range(2, n))\n"
+    main = "def count_primes(xs):\n    return sum(1 for x in xs if aux(x))\n"
+    rewards = env.joint_rewards([(item, ("", item["reference"]), ()) for item in env.items("train")]
+                                + [(primes, (helper, main), ())])
+    assert [r.parts["tests"] for r in rewards] == [1.0, 1.0, 1.0]
+    assert rewards[-1].total == pytest.approx(4.0)
+    env.close()
+
+
+@needs_bubblewrap
+def test_coophumaneval_from_a_local_jsonl():
+    env = make_env("coophumaneval", source=str(DATA / "coding_coophumaneval.jsonl"), eval_size=1,
+                   sandbox_limits=FAST_LIMITS)
+    assert [item["id"] for item in env.items("eval")] == ["CoopHumanEval/0"]
+    assert [item["entry_point"] for item in env.items("train")] == ["shout_words", "digit_root"]
+    items = [*env.items("eval"), *env.items("train")]
+    rewards = env.joint_rewards([(item, ("", item["reference"]), ()) for item in items])
+    assert [r.total for r in rewards] == pytest.approx([2.1, 2.1, 2.1])
+    env.close()
+
+
+def test_bad_records_are_reported_with_their_file_and_position(tmp_path):
+    path = tmp_path / "coding_bad.jsonl"
+    record = {"task_id": 7, "text": "Add.", "code": "def add(a, b):\n    return a + b\n",
+              "test_list": ["assert sub(1, 2) == -1"]}
+    path.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"coding_bad.jsonl: record 0 \(7\): no function defined in its code"):
+        make_env("mbpp", source=str(path), eval_size=1)
+    path.write_text(json.dumps({**record, "test_list": "assert add(1, 2) == 3"}) + "\n")
+    with pytest.raises(ValueError, match=r"coding_bad.jsonl: record 0 \(7\): test_list must be a non-empty list"):
+        make_env("mbpp", source=str(path), eval_size=1)
+    good = json.loads((DATA / "coding_coophumaneval.jsonl").read_text().splitlines()[0])
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "x", "test": "y"}) + "\n")
+    with pytest.raises(ValueError, match="record 1 has no field 'entry_point'"):
+        make_env("humaneval", source=str(path), eval_size=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training a tiny team
+
+
+def _tiny_coding_config(tiny_config, **overrides):
+    return tiny_config(env={"name": "humaneval", "kwargs": {"limit": 2, "eval_size": 1, "sandbox_limits": FAST_LIMITS}},
+                       algorithm={"num_generations": 2, "num_turns": 2}, items_per_step=1, steps=2,
+                       logging={"sample_every": 1, "progress_bar": False},
+                       team={"sampling": {"max_new_tokens": 16}}, **overrides)
+
+
+@pytest.mark.slow
+def test_two_turn_training_on_the_tiny_model_logs_the_feedback(tiny_config):
+    config = _tiny_coding_config(tiny_config)
+    history = Trainer(config).train()
+    assert len(history) == 2 and "reward/turn2/mean" in history[-1]
+    logged = [json.loads(line) for line in (Path(config.run_dir) / "samples.jsonl").read_text().splitlines()]
+    second_turn = [sample for step in logged for sample in step["samples"] if sample["turn"] == 2]
+    assert second_turn
+    for sample in second_turn:
+        helper_obs, main_obs = sample["observations"]
+        assert "separate_paren_groups" in helper_obs and "Feedback on your previous answer:" in helper_obs
+        assert "Tests were not run" in main_obs or "failed" in main_obs
+
+
+@pytest.mark.slow
+@needs_bubblewrap
+def test_training_keeps_going_after_a_step_of_hostile_generations(tiny_config, monkeypatch):
+    trainer = Trainer(_tiny_coding_config(tiny_config))
+    entry_point = trainer.items[0]["entry_point"]
+    real_generate = magrpo.generate
+
+    def hostile_generate(agent, prompts, num_samples):
+        generation = real_generate(agent, prompts, num_samples)
+        main = f"def {entry_point}(text):\n    return aux(text, 0)\n"
+        code = HOSTILE_AUX["fork bomb"] if agent.name == "first" else main
+        generation.texts = [code] * len(generation.texts)
+        return generation
+
+    with monkeypatch.context() as patch:
+        patch.setattr(magrpo, "generate", hostile_generate)
+        hostile = trainer.train_step()
+    # main defined (0.6) + parses (0.5), no test passes, aux returns nothing: in both turns
+    assert hostile["reward/turn1/mean"] == pytest.approx(1.1) and hostile["reward/turn2/mean"] == pytest.approx(1.1)
+    normal = trainer.train_step()
+    assert normal["step"] == 2 and normal["loss"] == normal["loss"]  # finite, not NaN

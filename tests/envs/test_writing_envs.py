@@ -1,0 +1,192 @@
+"""The TLDR and arXiv writing environments: data sources, held-out splits, observations and joint rewards."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from teamrl.data import DataError
+from teamrl.envs import ENVIRONMENTS, make_env
+from teamrl.envs.writing import ELLIPSIS, ArxivEnv, TldrEnv, truncate
+from teamrl.rewards.writing import arxiv_reward, tldr_reward
+
+POSTS = str(Path(__file__).parent / "data" / "posts.jsonl")
+
+SHORT = "My landlord kept the whole deposit over carpet stains that my move-in photos already show."
+DETAILED = (
+    "First, the landlord kept the entire security deposit, claiming the carpet was stained when the tenant "
+    "moved out. However, photos taken at move-in show exactly the same stains, because the damage predates "
+    "the lease. Consequently, the tenant has evidence and can dispute the deduction; for example, a letter "
+    "citing the photos, and finally small claims court, are realistic options."
+)
+BACKGROUND = " ".join(["Parsing matters because systems need structure, however earlier parsers were slow."] * 13)
+METHODS = " ".join(["We train a neural classifier with dense features, so parsing becomes fast and accurate."] * 15)
+
+
+def _ids(items):
+    return {item["id"] for item in items}
+
+
+def test_both_tasks_are_registered_two_agent_single_turn():
+    assert ENVIRONMENTS["tldr"] is TldrEnv and ENVIRONMENTS["arxiv"] is ArxivEnv
+    for cls in (TldrEnv, ArxivEnv):
+        assert cls.num_agents == 2 and cls.max_turns == 1 and cls.max_reward == 3.0
+        assert len(cls.roles) == 2 and all(cls.roles) and cls.roles[0] != cls.roles[1]
+
+
+def test_tldr_from_a_local_file_holds_out_a_disjoint_eval_split():
+    env = make_env("tldr", source=POSTS, eval_size=3, seed=1)
+    train, evaluation = env.items("train"), env.items("eval")
+    assert len(train) == 7 and len(evaluation) == 3
+    assert _ids(train) | _ids(evaluation) == {f"p{i}" for i in range(1, 11)}
+    assert _ids(train).isdisjoint(_ids(evaluation))
+    assert set(train[0]) == {"id", "text"}
+    again = make_env("tldr", source=POSTS, eval_size=3, seed=1)
+    assert again.items("eval") == evaluation  # deterministic
+    assert len(make_env("tldr", source=POSTS, eval_size=0.2, num_train=4).items("train")) == 4
+    with pytest.raises(ValueError, match="split must be 'train' or 'eval'"):
+        env.items("test")
+
+
+def test_tldr_on_aclsum_uses_its_train_and_validation_splits():
+    pytest.importorskip("aclsum")
+    env = make_env("tldr")  # the offline default source
+    train, evaluation = env.items("train"), env.items("eval")
+    assert (len(train), len(evaluation)) == (100, 50)
+    assert _ids(train).isdisjoint(_ids(evaluation))
+    assert {item["text"] for item in train}.isdisjoint(item["text"] for item in evaluation)
+    assert evaluation[0]["id"] == "2021.eacl-main.84"
+    assert evaluation[0]["text"].startswith("Identifying named entities in written text")
+    assert len(make_env("tldr", num_train=8, num_eval=4).items("eval")) == 4
+
+
+def test_arxiv_on_aclsum_keeps_the_introduction_as_reference():
+    pytest.importorskip("aclsum")
+    env = make_env("arxiv", num_train=5, num_eval=5)
+    item = env.items("eval")[0]
+    assert set(item) == {"id", "text", "reference"}
+    assert item["reference"].startswith("Automatically identifying named entities")
+    assert _ids(env.items("train")).isdisjoint(_ids(env.items("eval")))
+
+
+@pytest.mark.parametrize("task", ["tldr", "arxiv"])
+def test_each_agent_sees_the_text_with_its_own_instructions(task):
+    env = make_env(task, source=POSTS, eval_size=2)
+    item = env.items("train")[0]
+    observations = env.observe(item)
+    assert len(observations) == 2 and observations[0] != observations[1]
+    for observation, instruction in zip(observations, env.instructions):
+        assert item["text"] in observation and observation.endswith(instruction)
+    assert env.observe(item) == observations  # a function of the item only: no agent sees the other's output
+
+
+def test_joint_reward_is_the_task_reward_with_its_levels():
+    tldr = make_env("tldr", source=POSTS, eval_size=2)
+    item = tldr.items("train")[0]
+    result = tldr.joint_reward(item, [SHORT, DETAILED])
+    assert result == tldr_reward(SHORT, DETAILED)
+    assert set(result.parts) == {"length", "ratio", "unique_words", "transitions", "jaccard"}
+    assert result.total > 2.0
+    assert tldr.joint_reward(item, ["too short", DETAILED]).parts == {"length": 0.0}
+
+    arxiv = make_env("arxiv", source=POSTS, eval_size=2)
+    assert arxiv.joint_reward(item, [BACKGROUND, METHODS]) == arxiv_reward(BACKGROUND, METHODS)
+    assert arxiv.joint_reward(item, [BACKGROUND, METHODS]).parts["length"] == 0.5
+    with pytest.raises(ValueError, match="one completion per agent"):
+        arxiv.joint_reward(item, [BACKGROUND])
+
+
+def test_max_text_chars_cuts_long_texts():
+    env = make_env("tldr", source=POSTS, eval_size=2, max_text_chars=60)
+    texts = [item["text"] for item in env.items("train")]
+    assert all(len(text) <= 60 and text.endswith(ELLIPSIS) for text in texts)
+    assert env.observe(env.items("train")[0])[0].count(ELLIPSIS) == 1
+
+
+def test_truncate_cuts_at_a_word_boundary():
+    assert truncate("  short text  ", 50) == "short text"
+    assert truncate("one two three four", None) == "one two three four"
+    assert truncate("one two three four", 12) == "one two ..."  # 'thr' of 'three' is dropped
+    assert truncate("one two three four", 11) == "one two ..."  # the cut falls right after 'two'
+    assert truncate("abcdefghij", 8) == "abcd ..."  # a single word is cut inside
+    assert all(len(truncate("alpha beta gamma delta", n)) <= n for n in range(5, 30))
+
+
+def test_split_files_are_used_as_splits_and_eval_never_repeats_train(tmp_path):
+    rows = {
+        "train": [{"text": "alpha story"}, {"text": "beta story"}],
+        "validation": [{"text": "beta story"}, {"text": "gamma story"}],
+    }
+    for split, records in rows.items():
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    env = make_env("tldr", source=str(tmp_path / "{split}.jsonl"))
+    assert [i["id"] for i in env.items("train")] == ["train-0", "train-1"]
+    assert [(i["id"], i["text"]) for i in env.items("eval")] == [("validation-1", "gamma story")]
+    with pytest.raises(DataError, match="every eval item repeats a training item"):
+        make_env("tldr", source=str(tmp_path / "{split}.jsonl"), eval_split="train")
+
+
+def test_hub_source_reads_the_papers_dataset_and_splits(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    import teamrl.models.loading
+
+    def fake_load_dataset(name, split):
+        assert name == "trl-lib/tldr"
+        rows = [{"prompt": f"{split} post {i}", "completion": f"tl;dr {i}"} for i in range(3)]
+        return datasets.Dataset.from_list(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(teamrl.models.loading, "hub_reachable", lambda: True)
+    env = make_env("tldr", source="hub", num_train=2)
+    assert env.source == "trl-lib/tldr"
+    assert env.items("train") == [{"id": f"train-{i}", "text": f"train post {i}", "reference": f"tl;dr {i}"}
+                                  for i in range(2)]
+    assert [item["text"] for item in env.items("eval")] == ["test post 0", "test post 1", "test post 2"]
+
+
+def test_hub_source_names_the_papers_dataset_and_the_local_fallback(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without the hub extra
+    for task, dataset in (("tldr", "trl-lib/tldr"), ("arxiv", "OpenMLRL/arXiv_abstract")):
+        with pytest.raises(DataError, match=f"hub dataset '{dataset}'.*env.kwargs.source=/path/to/data.jsonl"):
+            make_env(task, source="hub")
+
+
+def test_configuration_errors_name_the_setting():
+    with pytest.raises(ValueError, match=r"env.kwargs: 'tldr' does not accept these arguments .*'sorce'"):
+        make_env("tldr", sorce=POSTS)
+    with pytest.raises(DataError, match=r"record 0 has no field 'body' \(its fields: id, text, summary\); "
+                                        r"set env.kwargs.text_field"):
+        make_env("tldr", source=POSTS, text_field="body")
+    with pytest.raises(DataError, match="has no field 'tldr'.*set env.kwargs.reference_field"):
+        make_env("arxiv", source=POSTS, reference_field="tldr")
+    with pytest.raises(DataError, match="no such file"):
+        make_env("tldr", source="missing/posts.jsonl")
+    with pytest.raises(DataError, match="env.kwargs.eval_size: .*leaves no records to train on"):
+        make_env("tldr", source=POSTS, eval_size=10)
+    for kwargs, name in (({"eval_size": 0}, "eval_size"), ({"num_train": 0}, "num_train"),
+                         ({"max_text_chars": 3}, "max_text_chars")):
+        with pytest.raises(ValueError, match=f"env.kwargs.{name}: must be"):
+            make_env("tldr", source=POSTS, **kwargs)
+
+
+def test_vocabulary_covers_every_observation_for_the_tiny_model():
+    env = make_env("tldr", source=POSTS, eval_size=2)
+    words = env.vocabulary()
+    assert len(words) == len(set(words))
+    observed = {token for item in [*env.items("train"), *env.items("eval")] for obs in env.observe(item)
+                for token in obs.split()}
+    assert observed <= set(words) and {"however", "finally"} <= set(words)
+
+
+def test_duplicate_ids_and_empty_texts_are_rejected(tmp_path):
+    duplicates = tmp_path / "dup.jsonl"
+    duplicates.write_text('{"id": "a", "text": "x y"}\n{"id": "a", "text": "z w"}\n{"id": "b", "text": "v"}\n')
+    with pytest.raises(DataError, match="id 'a' occurs twice; set env.kwargs.id_field"):
+        make_env("tldr", source=str(duplicates), eval_size=1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": "fine"}\n{"text": "  "}\n')
+    with pytest.raises(DataError, match="record 1 field 'text' is empty or not text"):
+        make_env("tldr", source=str(empty), eval_size=1)
