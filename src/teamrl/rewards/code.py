@@ -243,23 +243,31 @@ def code_reward(analysis: CodeAnalysis, record: ExecutionRecord | None) -> Rewar
 
 def grade_team_code(aux_completions: Sequence[str], main_completions: Sequence[str],
                     entry_points: Sequence[str], tests: Sequence[Sequence[str]], pool: SandboxPool,
-                    aux_name: str = "aux") -> list[CodeGrade]:
+                    aux_name: str = "aux", preambles: Sequence[str] | None = None) -> list[CodeGrade]:
     """Analyse, run (concurrently, only where needed) and score a batch of joint actions.
 
     Item ``i`` is the helper's ``aux_completions[i]`` with the main agent's ``main_completions[i]``
     for the problem with ``entry_points[i]`` and test snippets ``tests[i]`` (see
     ``teamrl.sandbox.Program``; ``teamrl.sandbox.humaneval_tests`` makes them from HumanEval).
+    ``preambles[i]`` (the problem's own imports and helpers, e.g. HumanEval prompts' ``poly``) is
+    placed before the agents' code in the program the tests run; it earns no reward.
     """
+    preambles = preambles if preambles is not None else [""] * len(aux_completions)
     sizes = {"aux_completions": len(aux_completions), "main_completions": len(main_completions),
-             "entry_points": len(entry_points), "tests": len(tests)}
+             "entry_points": len(entry_points), "tests": len(tests), "preambles": len(preambles)}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"grade_team_code: inputs must have the same length, got {sizes}")
     analyses = [analyse_team_code(aux, main, entry, aux_name)
                 for aux, main, entry in zip(aux_completions, main_completions, entry_points)]
-    futures = [pool.submit(Program(analysis.program, tuple(item_tests))) if analysis.needs_tests else None
-               for analysis, item_tests in zip(analyses, tests)]
+    futures = [pool.submit(Program(_with_preamble(preamble, analysis.program), tuple(item_tests)))
+               if analysis.needs_tests else None
+               for analysis, item_tests, preamble in zip(analyses, tests, preambles)]
     grades = []
     for analysis, future in zip(analyses, futures):
         record = future.result() if future is not None else None
         grades.append(CodeGrade(analysis=analysis, record=record, reward=code_reward(analysis, record)))
     return grades
+
+
+def _with_preamble(preamble: str, program: str) -> str:
+    return f"{preamble}\n\n{program}" if preamble.strip() else program
