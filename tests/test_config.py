@@ -86,3 +86,13 @@ def test_missing_config_file_and_bad_yaml(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="must look like"):
         load_config(None, ["no_equals_sign"])
+
+
+def test_every_shipped_preset_loads_and_validates():
+    from teamrl.config import presets
+
+    names = presets()
+    assert {"tiny_digit_sum", "demo_tldr_cpu", "tldr_paper", "humaneval_2turn_paper"} <= set(names)
+    for name in names:
+        config = load_config(name)
+        assert config.steps >= 1, name

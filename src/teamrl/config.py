@@ -285,9 +285,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        file = Path(path)
+        file = resolve_config_path(path)
         if not file.is_file():
-            raise ConfigError(f"config file {str(file)!r} does not exist")
+            raise ConfigError(f"config file {str(file)!r} does not exist (shipped presets: {', '.join(presets())})")
         try:
             data = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as err:
@@ -297,6 +297,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for override in overrides or []:
         _apply_override(data, override)
     return config_from_dict(data)
+
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def presets() -> list[str]:
+    """Names of the configs shipped with teamrl (``teamrl train NAME`` runs one)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """A config file path, or the file of a shipped preset when ``path`` is a preset's name."""
+    file = Path(path)
+    if not file.exists() and (PRESETS_DIR / f"{file.name}.yaml").is_file() and file.suffix == "":
+        return PRESETS_DIR / f"{file.name}.yaml"
+    return file
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -143,11 +143,12 @@ class Team:
                 agent.parameters = [p for n, p in agent.model.named_parameters() if marker in n and "lora_" in n]
         return cls(agents)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
+    def save_pretrained(self, directory: str | Path, metadata: dict | None = None) -> Path:
         """Save every agent (its adapter, or its full weights) and tokenizer, plus a ``team.json`` manifest.
 
         An adapter is saved in PEFT's format, so ``PeftModel.from_pretrained(base, directory/agent)``
-        loads it with no teamrl code.
+        loads it with no teamrl code. ``metadata`` (e.g. the environment and seed the team was
+        trained with) is stored in ``team.json`` for :meth:`from_pretrained`.
         """
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
@@ -174,8 +175,56 @@ class Team:
                 "use_chat_template": agent.use_chat_template,
                 "sampling": asdict(agent.sampling),
             })
-        (root / "team.json").write_text(json.dumps({"agents": manifest}, indent=2))
+        (root / "team.json").write_text(json.dumps({**(metadata or {}), "agents": manifest}, indent=2))
         return root
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, env: Environment | None = None, *, device: str = "cpu",
+                        dtype: str = "float32") -> Team:
+        """Load a team written by :meth:`save_pretrained`, ready for inference.
+
+        LoRA agents are loaded onto one copy of each base they name (the base must still be loadable
+        from its spec); fully fine-tuned agents from their own directories. ``env`` is only needed
+        for a team on the 'tiny' test model (its vocabulary); by default the one in ``team.json``.
+        """
+        from peft import PeftModel
+
+        from teamrl.envs.base import make_env
+
+        root = Path(directory)
+        manifest_file = root / "team.json"
+        if not manifest_file.is_file():
+            raise ValueError(f"{root}: not a saved team (no team.json); give the directory save_pretrained wrote")
+        manifest = json.loads(manifest_file.read_text())
+        if env is None and "env" in manifest:
+            env = make_env(manifest["env"]["name"], **manifest["env"].get("kwargs", {}))
+        torch_dtype = getattr(torch, dtype)
+        bases: dict[str, nn.Module] = {}
+        agents = []
+        for entry in manifest["agents"]:
+            path = root / entry["name"]
+            if entry["kind"] == "full":
+                model, tokenizer = load_base_model(str(path), env, seed=manifest.get("seed", 0),
+                                                   dtype=torch_dtype, device=device)
+                adapter = None
+            else:
+                adapter = f"agent_{entry['name']}"
+                spec = entry["base_model"]
+                if spec in bases:
+                    model = bases[spec]
+                    model.load_adapter(str(path), adapter_name=adapter)
+                    tokenizer = next(a.tokenizer for a in agents if a.base_spec == spec)
+                else:
+                    base, tokenizer = load_base_model(spec, env, seed=manifest.get("seed", 0),
+                                                      dtype=torch_dtype, device=device)
+                    model = PeftModel.from_pretrained(base, str(path), adapter_name=adapter)
+                    bases[spec] = model
+            agents.append(Agent(
+                name=entry["name"], model=model.eval(), tokenizer=tokenizer,
+                sampling=SamplingConfig(**entry["sampling"]), system_prompt=entry["system_prompt"],
+                use_chat_template=entry["use_chat_template"], adapter=adapter, base_spec=entry["base_model"],
+            ))
+        return cls(agents)
 
 
 def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str):

@@ -24,6 +24,7 @@ from teamrl.algorithms import magrpo
 from teamrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
+from teamrl.rollout.generate import generate
 from teamrl.team import Team
 
 METRICS_FILE = "metrics.jsonl"
@@ -164,26 +165,51 @@ class Trainer:
                 writer.close()
         return history
 
+    def save_team(self, directory: str | Path | None = None) -> Path:
+        """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
+        env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
+        return self.team.save_pretrained(directory or self.run_dir / "team",
+                                         metadata={"env": env, "seed": self.config.seed, "step": self.step})
+
     def save(self) -> Path:
         """Checkpoint the current step."""
         return save_checkpoint(self.run_dir, self.step, self.team, self.optimizers, self.schedulers,
                                keep_last=self.config.checkpoint.keep_last)
 
-    def evaluate(self, split: str = "eval", num_samples: int = 1) -> dict[str, float]:
-        """Mean joint reward of the team on ``split`` (turn 1), sampling as in training."""
-        from teamrl.config import AlgorithmConfig
+    def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
+                 seed: int | None = None) -> dict[str, float]:
+        """Mean joint reward (and mean reward parts) of the team on ``split``, turn 1.
 
-        items = list(self.env.items(split))
-        probe = AlgorithmConfig(num_generations=max(2, num_samples), num_turns=1)
-        with torch.no_grad():
-            tree = magrpo.rollout(self.team, self.env, items, probe)
-        results = tree.turns[0].results
+        Sampling uses its own seeded RNG stream (``seed``, default the run's seed), so evaluating
+        twice gives the same numbers for the same weights and training's random stream is untouched.
+        """
+        return self.evaluate_with_samples(split, num_samples, max_items, seed)[0]
+
+    def evaluate_with_samples(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
+                              seed: int | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """:meth:`evaluate`, plus every joint action with what each agent saw and its reward."""
+        items = list(self.env.items(split))[:max_items]
+        if not items:
+            raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
+        observations = [self.env.observe(item) for item in items]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(self.config.seed if seed is None else seed)
+            generations = [generate(agent, [agent.prompt(obs[i]) for obs in observations], num_samples)
+                           for i, agent in enumerate(self.team)]
+        rows = range(len(items) * num_samples)
+        joint_actions = [tuple(gen.texts[row] for gen in generations) for row in rows]
+        results = self.env.joint_rewards([(items[row // num_samples], actions, ())
+                                          for row, actions in zip(rows, joint_actions)])
         rewards = torch.tensor([r.total for r in results])
-        metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std())}
+        metrics = {"reward/mean": float(rewards.mean()),
+                   "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
         for part in sorted({name for r in results for name in r.parts}):
             # A gated reward's unreached parts are absent: they count as zero in the mean.
             metrics[f"reward/{part}"] = sum(r.parts.get(part, 0.0) for r in results) / len(results)
-        return metrics
+        samples = [{"item": items[row // num_samples].get("id"), "observations": observations[row // num_samples],
+                    "actions": list(actions), "reward": result.total, "reward_parts": result.parts}
+                   for row, actions, result in zip(rows, joint_actions, results)]
+        return metrics, samples
 
     # ----------------------------------------------------------------------------------------------
     def _resume(self) -> None:

@@ -48,8 +48,13 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> t
 
 
 @torch.no_grad()
-def generate(agent: Agent, prompts: list[str], num_samples: int) -> Generation:
-    """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call."""
+def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None) -> Generation:
+    """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
+
+    ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
+    same batch, each row through its own adapter (PEFT mixed-adapter batches); ``agent`` then only
+    supplies the tokenizer and sampling settings.
+    """
     tokenizer = agent.tokenizer
     tokenizer.padding_side = "left"
     # A chat template already places the special tokens; plain text gets the tokenizer's own (e.g. BOS).
@@ -59,9 +64,14 @@ def generate(agent: Agent, prompts: list[str], num_samples: int) -> Generation:
     prompt_mask = encoded["attention_mask"].to(device)
     sampling = agent.sampling
     recorder = _SampledLogprobs(sampling.temperature)
-    agent.activate()
+    extra = {}
+    if adapter_names is not None:
+        extra["adapter_names"] = [name for name in adapter_names for _ in range(num_samples)]
+    else:
+        agent.activate()
     agent.model.eval()
     out = agent.model.generate(
+        **extra,
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         do_sample=True,
