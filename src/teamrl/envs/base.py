@@ -30,8 +30,8 @@ class Step:
 class Environment(ABC):
     """A cooperative task for ``num_agents`` agents.
 
-    Subclasses set ``num_agents`` and ``roles`` (a default system prompt per seat) and implement
-    :meth:`items`, :meth:`observe` and :meth:`joint_reward`; multi-turn tasks also implement
+    Subclasses set ``num_agents``, ``roles`` (a default system prompt per seat) and ``splits`` (the
+    items of 'train' and 'eval') and implement :meth:`observe` and :meth:`joint_reward`; multi-turn tasks also implement
     :meth:`next_observations`. Rewards are plain functions of the joint action; override
     :meth:`joint_rewards` only to score a batch more efficiently (e.g. in a sandbox pool).
     """
@@ -43,9 +43,14 @@ class Environment(ABC):
     max_reward: float = 1.0
     """Largest joint reward of one turn; normalised returns divide by it."""
 
-    @abstractmethod
+    splits: dict[str, Sequence[Item]]
+    """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor."""
+
     def items(self, split: str = "train") -> Sequence[Item]:
         """The dataset items of ``split`` ('train' or 'eval')."""
+        if split not in self.splits:
+            raise ValueError(f"split must be {' or '.join(map(repr, self.splits))} (got {split!r})")
+        return self.splits[split]
 
     @abstractmethod
     def observe(self, item: Item) -> list[str]:

@@ -386,7 +386,7 @@ class CodingEnv(Environment):
             raise ValueError(
                 f"env.kwargs.eval_size: {self.source} gives {len(problems)} problems (start={start}, "
                 f"limit={limit}), so eval_size must be in 1..{len(problems) - 1} (got {eval_size})")
-        self._items = {"train": problems[eval_size:], "eval": problems[:eval_size]}
+        self.splits = {"train": problems[eval_size:], "eval": problems[:eval_size]}
         self._pool: SandboxPool | None = None
         self._grades: OrderedDict[tuple[str, tuple[str, ...]], CodeGrade] = OrderedDict()
 
@@ -414,12 +414,6 @@ class CodingEnv(Environment):
         return items
 
     # --------------------------------------------------------------------------------------------
-    def items(self, split: str = "train") -> Sequence[Item]:
-        """The ``'train'`` problems or the held-out ``'eval'`` ones (the first ``eval_size``)."""
-        if split not in self._items:
-            raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
-        return self._items[split]
-
     def observe(self, item: Item) -> list[str]:
         """The problem, then the helper's request (write ``aux`` with the entry point's parameters) and
         the main agent's (write the entry point, calling ``aux``)."""
@@ -508,7 +502,7 @@ class CodingEnv(Environment):
 
     def vocabulary(self) -> list[str]:
         """:data:`PYTHON_WORDS` plus every problem's entry point and parameter names."""
-        names = [name for split in ("train", "eval") for item in self._items[split]
+        names = [name for split in ("train", "eval") for item in self.splits[split]
                  for name in (item["entry_point"], *re.findall(r"[A-Za-z_]\w*", item["parameters"]))]
         return list(dict.fromkeys([*PYTHON_WORDS, *names]))
 

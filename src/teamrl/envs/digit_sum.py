@@ -49,15 +49,11 @@ class DigitSumGame(Environment):
         self.length = length
         self.max_turns = max_turns
         rng = random.Random(seed)
-        self._items = {
+        self.splits = {
             split: [{"id": f"{split}-{i}", "target": rng.choice(self.targets)} for i in range(n)]
             for split, n in (("train", num_train), ("eval", num_eval))
         }
 
-    def items(self, split: str = "train") -> Sequence[Item]:
-        if split not in self._items:
-            raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
-        return self._items[split]
 
     def observe(self, item: Item) -> list[str]:
         return [f"target {item['target']} {seat}" for seat in _SEATS]

@@ -150,8 +150,8 @@ class WritingEnv(Environment):
             except data.DataError as err:
                 raise data.DataError(f"env.kwargs.eval_size: {self.source}: {err}") from None
             train, evaluation = train[:num_train], evaluation[:num_eval]
-        self._items = {"train": train, "eval": _without_overlap(evaluation, train)}
-        if not self._items["eval"]:
+        self.splits = {"train": train, "eval": _without_overlap(evaluation, train)}
+        if not self.splits["eval"]:
             raise data.DataError(
                 f"{self.source}: every eval item repeats a training item (same id or text); "
                 "hold out other records (env.kwargs.eval_split, eval_size or seed)"
@@ -194,11 +194,6 @@ class WritingEnv(Environment):
             item["reference"] = record[self.layout.reference_field]
         return item
 
-    def items(self, split: str = "train") -> Sequence[Item]:
-        """The ``'train'`` items or the held-out ``'eval'`` items (disjoint from train), in source order."""
-        if split not in self._items:
-            raise ValueError(f"split must be 'train' or 'eval' (got {split!r})")
-        return self._items[split]
 
     def observe(self, item: Item) -> list[str]:
         """Each agent's user message: the text under :attr:`text_label`, then that agent's instruction."""
@@ -207,7 +202,7 @@ class WritingEnv(Environment):
     def vocabulary(self) -> list[str]:
         """For the word-level 'tiny' test model: every whitespace token of the roles, of every item's
         observations and of the transition phrases the reward looks for, in first-seen order."""
-        observations = (obs for items in self._items.values() for item in items for obs in self.observe(item))
+        observations = (obs for items in self.splits.values() for item in items for obs in self.observe(item))
         phrases = (phrase for group in TRANSITION_CATEGORIES.values() for phrase in group)
         return list(dict.fromkeys(token for text in (*self.roles, *observations, *phrases) for token in text.split()))
 
