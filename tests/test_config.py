@@ -21,7 +21,7 @@ def test_defaults_validate_and_every_field_is_documented():
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("algorithm:\n  num_generations: 6\nteam:\n  sampling: {max_new_tokens: 12}\n")
-    config = load_config(path, ["algorithm.num_turns=2", "optim.lr=0.01", "team.agents=[{name: a}, {name: b}]"])
+    config = load_config(path, ["algorithm.num_turns=2", "optim.lr=1e-2", "team.agents=[{name: a}, {name: b}]"])
     assert config.algorithm.num_generations == 6
     assert config.algorithm.num_turns == 2
     assert config.optim.lr == 0.01
@@ -44,6 +44,7 @@ def test_per_agent_sampling_overrides_the_team_settings():
         ({"bogus": 1}, "bogus"),
         ({"algorithm": {"num_generations": "four"}}, "algorithm.num_generations"),  # wrong type
         ({"optim": {"lr": "fast"}}, "optim.lr"),
+        ({"optim": {"lr": "nan-ish"}}, "optim.lr"),
         ({"steps": 2.5}, "steps"),
         ({"logging": {"tensorboard": "yes"}}, "logging.tensorboard"),
         ({"algorithm": {"num_generations": 1}}, "algorithm.num_generations"),       # G < 2

@@ -419,6 +419,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):
+            value = _yaml11_float(value)  # PyYAML reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -427,6 +429,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise TypeError(f"config field {where} has an unsupported type {hint}")  # a bug in teamrl, not user input
+
+
+def _yaml11_float(text: str) -> float | str:
+    """``text`` as a float when it is a plain decimal/scientific number, else unchanged."""
+    try:
+        return float(text) if text.strip().lstrip("+-")[:1].isdigit() or text.strip()[:1] == "." else text
+    except ValueError:
+        return text
 
 
 def _check(ok: bool, where: str, rule: str, value: Any) -> None:
