@@ -13,18 +13,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from teamrl.registry import registrar
+
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Make an advantage estimator (returns over the last dim -> advantages) selectable by name."""
-
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGES[name] = fn
-        return fn
-
-    return wrap
+register_advantage = registrar(ADVANTAGES)
+"""``@register_advantage(name)``: make an estimator (returns over the last dim -> advantages) selectable."""
 
 
 @register_advantage("mean")

@@ -11,18 +11,12 @@ from collections.abc import Callable
 
 import torch
 
+from teamrl.registry import registrar
+
 Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AGGREGATIONS: dict[str, Aggregation] = {}
-
-
-def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
-    """Make a token-loss aggregation ((B, C) per-token loss, (B, C) mask -> summed loss) selectable by name."""
-
-    def wrap(fn: Aggregation) -> Aggregation:
-        AGGREGATIONS[name] = fn
-        return fn
-
-    return wrap
+register_aggregation = registrar(AGGREGATIONS)
+"""``@register_aggregation(name)``: make a ((B, C) token loss, (B, C) mask) -> summed loss function selectable."""
 
 
 @register_aggregation("token_sum")

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from teamrl.registry import registrar
 from teamrl.rewards.base import RewardResult
 
 Item = dict[str, Any]
@@ -82,16 +83,8 @@ class Environment(ABC):
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
-
-
-def register_env(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
-    """Class decorator: make an environment constructible by name from a config."""
-
-    def wrap(factory: Callable[..., Environment]) -> Callable[..., Environment]:
-        ENVIRONMENTS[name] = factory
-        return factory
-
-    return wrap
+register_env = registrar(ENVIRONMENTS)
+"""``@register_env(name)``: class decorator making an environment constructible by name from a config."""
 
 
 def make_env(name: str, **kwargs: Any) -> Environment:
