@@ -8,10 +8,9 @@ the GIL in its kernels). No agent ever sees another agent's prompt or output.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from teamrl.rollout.generate import Generation, generate
+from teamrl.rollout.generate import generate_team
 from teamrl.team import Team
 
 
@@ -33,33 +32,9 @@ class TeamOutput:
 
 def run_team(team: Team, observations: list[list[str]], num_samples: int = 1) -> TeamOutput:
     """Each agent i generates from ``observations[row][i]`` for every row; returns all agents' texts."""
-    groups: dict[int, list[int]] = {}
-    for i, agent in enumerate(team):
-        groups.setdefault(id(agent.model), []).append(i)
-
-    def run_group(indices: list[int]) -> dict[int, Generation]:
-        agents = [team[i] for i in indices]
-        prompts = {i: [team[i].prompt(obs[i]) for obs in observations] for i in indices}
-        shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
-            all(a.sampling == agents[0].sampling for a in agents)
-        if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples) for i in indices}
-        rows = [p for i in indices for p in prompts[i]]
-        names = [team[i].adapter for i in indices for _ in observations]
-        merged = generate(agents[0], rows, num_samples, adapter_names=names)
-        per_agent = len(observations) * num_samples
-        return {i: _rows(merged, k * per_agent, (k + 1) * per_agent) for k, i in enumerate(indices)}
-
+    prompts = [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)]
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-        results: dict[int, Generation] = {}
-        for part in pool.map(run_group, groups.values()):
-            results.update(part)
+    generations = generate_team(team, prompts, num_samples, concurrent=True)
     seconds = time.perf_counter() - start
-    ordered = [results[i] for i in range(len(team))]
-    return TeamOutput(texts=[g.texts for g in ordered], tokens=sum(g.num_tokens for g in ordered), seconds=seconds)
-
-
-def _rows(gen: Generation, start: int, stop: int) -> Generation:
-    return Generation(gen.prompt_ids[start:stop], gen.prompt_mask[start:stop], gen.completion_ids[start:stop],
-                      gen.completion_mask[start:stop], gen.sampling_logprobs[start:stop], gen.texts[start:stop])
+    return TeamOutput(texts=[g.texts for g in generations], tokens=sum(g.num_tokens for g in generations),
+                      seconds=seconds)

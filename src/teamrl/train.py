@@ -24,7 +24,7 @@ from teamrl.algorithms import magrpo
 from teamrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
-from teamrl.rollout.generate import generate
+from teamrl.rollout.generate import generate_team
 from teamrl.team import Team
 
 METRICS_FILE = "metrics.jsonl"
@@ -194,8 +194,9 @@ class Trainer:
         observations = [self.env.observe(item) for item in items]
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.config.seed if seed is None else seed)
-            generations = [generate(agent, [agent.prompt(obs[i]) for obs in observations], num_samples)
-                           for i, agent in enumerate(self.team)]
+            generations = generate_team(
+                self.team, [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(self.team)],
+                num_samples)
         rows = range(len(items) * num_samples)
         joint_actions = [tuple(gen.texts[row] for gen in generations) for row in rows]
         results = self.env.joint_rewards([(items[row // num_samples], actions, ())

@@ -226,3 +226,60 @@ def test_padding_and_post_eos_tokens_get_exactly_zero_gradient(aggregation, kl_c
     for name, grad in grads.items():
         torch.testing.assert_close(grads2[name], grad, atol=1e-7, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(embed_grad2, embed_grad, atol=1e-7, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# shared prompts: one prompt pass for the G samples of a group
+# ------------------------------------------------------------------------------------------------
+
+
+def test_rows_sharing_a_prompt_give_the_same_logprobs_and_gradients_as_separate_passes():
+    model, tokenizer = tiny_model_and_tokenizer(WORDS, seed=0)
+    prompt_ids, prompt_mask, completion_ids = hand_batch(tokenizer.get_vocab())
+    # every prompt twice, each copy with its own completion: the G-samples layout
+    order = torch.tensor([0, 0, 1, 1, 2, 2])
+    completions = torch.cat([completion_ids, completion_ids.flip(1)])[torch.tensor([0, 3, 1, 4, 2, 5])]
+    batch = (prompt_ids[order], prompt_mask[order], completions, completion_mask(completions, [EOS]))
+    weights = torch.randn(batch[2].shape, generator=torch.Generator().manual_seed(0))
+
+    def run(rows_at_a_time: int):
+        model.zero_grad(set_to_none=True)
+        parts = [token_logprobs(model, *(t[r:r + rows_at_a_time] for t in batch), temperature=0.7)
+                 for r in range(0, 6, rows_at_a_time)]
+        logprobs = torch.cat(parts)
+        (logprobs * weights * batch[3]).sum().backward()
+        return logprobs.detach() * batch[3], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    shared, shared_grads = run(6)  # 3 distinct prompts: the prefix-sharing path
+    alone, alone_grads = run(1)    # one row per call: nothing to share, the single-pass path
+    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=0)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_lora_team_samples_in_one_call_and_each_row_is_its_own_adapters(tiny_config, monkeypatch):
+    import teamrl.rollout.generate as generate_module
+    from teamrl.train import Trainer
+
+    trainer = Trainer(tiny_config(steps=1, team={"training": "lora"}))
+    with torch.no_grad():
+        for agent in trainer.team:  # adapters that differ, so a row through the wrong one would show
+            for p in agent.parameters:
+                p.normal_(0, 0.3)
+    calls = []
+    real_generate = generate_module.generate
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: calls.append(k) or real_generate(*a, **k))
+    observations = [trainer.env.observe(item) for item in trainer.env.items("train")[:3]]
+    prompts = [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(trainer.team)]
+    assert len({len(p) for p in prompts[0]} | {len(p) for p in prompts[1]}) > 1  # padding is involved
+    torch.manual_seed(0)
+    generations = generate_module.generate_team(trainer.team, prompts, 4)
+
+    assert len(calls) == 1 and calls[0]["adapter_names"] == ["agent_first"] * 3 + ["agent_second"] * 3
+    for agent, gen in zip(trainer.team, generations):
+        assert gen.completion_ids.shape[0] == 12 and gen.prompt_mask[:, 0].any()  # no all-padding column left
+        agent.activate()
+        with torch.no_grad():
+            own = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        on = gen.completion_mask.bool()
+        torch.testing.assert_close(gen.sampling_logprobs[on], own[on], atol=1e-4, rtol=0)

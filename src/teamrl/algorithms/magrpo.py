@@ -31,7 +31,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import Generation, generate, token_logprobs
+from teamrl.rollout.generate import Generation, generate_team, token_logprobs
 from teamrl.team import Agent, Team
 
 
@@ -69,7 +69,8 @@ class Rollout:
 
 
 def rollout(team: Team, env: Environment, items: Sequence[Item], config: AlgorithmConfig) -> Rollout:
-    """Sample the MAGRPO tree for ``items``: one batched generate call per agent per turn."""
+    """Sample the MAGRPO tree for ``items``: per turn, one batched generate call per agent (per base
+    model, when LoRA agents share one)."""
     num_samples, individual = config.num_generations, config.learners == "individual"
     combos = joint_action_combos(len(team), num_samples, config.joint_mode)
     frontier = [(item, ()) for item in items]
@@ -79,10 +80,8 @@ def rollout(team: Team, env: Environment, items: Sequence[Item], config: Algorit
         observations = [env.observe(item) if not history else env.next_observations(item, history)
                         for item, history in frontier]
         start = time.perf_counter()
-        generations = [
-            generate(agent, [agent.prompt(obs[i]) for obs in observations], num_samples)
-            for i, agent in enumerate(team)
-        ]
+        generations = generate_team(
+            team, [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)], num_samples)
         seconds = time.perf_counter() - start
         record = Turn(parents, [f[0] for f in frontier], [f[1] for f in frontier], observations, generations,
                       combos, [], torch.empty(0), seconds)

@@ -1,6 +1,7 @@
 """Batched sampling with transformers, and the log-probs of completions under a policy.
 
-One ``generate`` call per agent per turn covers every observation x G samples. A completion's loss
+One ``generate`` call covers every observation x G samples of an agent — or of several agents at
+once when they share a LoRA base (:func:`generate_team`). A completion's loss
 mask covers its tokens up to and including the first end-of-sequence token: prompt tokens, padding and
 whatever follows EOS never enter the loss. Masks come from explicit lengths, never from looking for pad
 or EOS inside the prompt (chat templates end every turn with the EOS token).
@@ -8,12 +9,15 @@ or EOS inside the prompt (chat templates end every turn with the EOS token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from teamrl.team import Agent
+from teamrl.team import Agent, Team
 
 
 @dataclass
@@ -38,6 +42,22 @@ class Generation:
         """Generated tokens that count (EOS included)."""
         return int(self.completion_mask.sum())
 
+    def rows(self, start: int, stop: int) -> Generation:
+        """Rows ``start:stop``, without the prompt padding columns that none of them needs."""
+        mask = self.prompt_mask[start:stop]
+        first = int(mask.any(dim=0).nonzero()[0]) if mask.any() else mask.shape[1]
+        return Generation(self.prompt_ids[start:stop, first:], mask[:, first:], self.completion_ids[start:stop],
+                          self.completion_mask[start:stop], self.sampling_logprobs[start:stop],
+                          self.texts[start:stop])
+
+
+class TeamSampler(Protocol):
+    """Another engine that samples a team's completions (``Team.sampler``), e.g. vLLM on a GPU."""
+
+    def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int) -> list[Generation]:
+        """What :func:`generate_team` returns, laid out the same way."""
+        ...
+
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
     """1 on every token up to and including the first EOS of each row (every token if there is none)."""
@@ -45,6 +65,22 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> t
     # A token is kept while no EOS came strictly before it.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).long()
+
+
+def encode_prompts(agent: Agent, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) left-padded prompt ids and their attention mask, as every sampling backend lays them out."""
+    tokenizer = agent.tokenizer
+    tokenizer.padding_side = "left"
+    # A chat template already places the special tokens; plain text gets the tokenizer's own (e.g. BOS).
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not agent.uses_chat_template)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """The texts of the masked completion tokens (special tokens dropped, surrounding space stripped)."""
+    texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
+                                   skip_special_tokens=True)
+    return [t.strip() for t in texts]
 
 
 @torch.no_grad()
@@ -56,30 +92,41 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     supplies the tokenizer and sampling settings.
     """
     tokenizer = agent.tokenizer
-    tokenizer.padding_side = "left"
-    # A chat template already places the special tokens; plain text gets the tokenizer's own (e.g. BOS).
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not agent.uses_chat_template)
     device = next(agent.model.parameters()).device
-    prompt_ids = encoded["input_ids"].to(device)
-    prompt_mask = encoded["attention_mask"].to(device)
+    prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(agent, prompts))
     sampling = agent.sampling
     recorder = _SampledLogprobs(sampling.temperature)
-    extra = {}
+    routing = {}
     if adapter_names is not None:
-        extra["adapter_names"] = [name for name in adapter_names for _ in range(num_samples)]
+        routing["adapter_names"] = adapter_names
     else:
         agent.activate()
     agent.model.eval()
+    cache = None
+    if num_samples > 1 and prompt_ids.shape[1] > 1:
+        # Prefill each distinct prompt once and give its samples copies of the cache, instead of letting
+        # generate() prefill the same prompt num_samples times; generate() then only runs the last token.
+        cache = agent.model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **routing,
+        ).past_key_values
+        cache.batch_repeat_interleave(num_samples)
+    if adapter_names is not None:
+        routing["adapter_names"] = [name for name in adapter_names for _ in range(num_samples)]
     out = agent.model.generate(
-        **extra,
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
+        **routing,
+        input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
+        attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
+        past_key_values=cache,
         do_sample=True,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         max_new_tokens=sampling.max_new_tokens,
-        num_return_sequences=num_samples,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=agent.eos_token_ids,
         logits_processor=LogitsProcessorList([recorder]),
@@ -87,16 +134,59 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     completion_ids = out[:, prompt_ids.shape[1]:]
     mask = completion_mask(completion_ids, agent.eos_token_ids)
     logprobs = recorder.finish(out[:, -1]) * mask
-    texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
-                                   skip_special_tokens=True)
     return Generation(
         prompt_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
         completion_ids=completion_ids,
         completion_mask=mask,
         sampling_logprobs=logprobs,
-        texts=[t.strip() for t in texts],
+        texts=decode_completions(tokenizer, completion_ids, mask),
     )
+
+
+def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
+                  concurrent: bool = False) -> list[Generation]:
+    """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
+
+    Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
+    call, each row through its own adapter: each decoding step reads the base weights once for the
+    whole team instead of once per agent. Agents on other models get a call each, one after the other
+    (one RNG stream, so training is reproducible) or, with ``concurrent``, in parallel threads (torch
+    releases the GIL in its kernels) as decentralised execution wants.
+
+    A team with a :attr:`~teamrl.team.Team.sampler` (another engine, e.g. vLLM) is sampled by it instead.
+    """
+    if team.sampler is not None:
+        return team.sampler.generate_team(team, prompts, num_samples)
+    groups: dict[int, list[int]] = {}
+    for i, agent in enumerate(team):
+        groups.setdefault(id(agent.model), []).append(i)
+
+    def run_group(indices: list[int]) -> dict[int, Generation]:
+        agents = [team[i] for i in indices]
+        shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
+            all(a.sampling == agents[0].sampling for a in agents)
+        if not shared_batch:
+            return {i: generate(team[i], prompts[i], num_samples) for i in indices}
+        rows = [p for i in indices for p in prompts[i]]
+        names = [team[i].adapter for i in indices for _ in prompts[i]]
+        merged = generate(agents[0], rows, num_samples, adapter_names=names)
+        out, start = {}, 0
+        for i in indices:
+            stop = start + len(prompts[i]) * num_samples
+            out[i] = merged.rows(start, stop)
+            start = stop
+        return out
+
+    results: dict[int, Generation] = {}
+    if concurrent and len(groups) > 1:
+        with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            for part in pool.map(run_group, groups.values()):
+                results.update(part)
+    else:
+        for indices in groups.values():
+            results.update(run_group(indices))
+    return [results[i] for i in range(len(team))]
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -136,20 +226,54 @@ def token_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """(B, C) log-prob of each completion token under ``model`` (temperature-scaled), in one forward pass.
+    """(B, C) log-prob of each completion token under ``model`` (temperature-scaled).
 
     Masked completion tokens are excluded from attention, and positions are counted over real tokens
     only, so the numbers match what the model computed while sampling with left padding.
+
+    Rows that share a prompt (the G samples of a group) share its forward pass: each distinct prompt
+    runs once, its key/value cache is copied to its rows (differentiably, so the prompt's gradient is
+    the sum over its rows, as in G separate passes), and only the completions run per row. With
+    prompts much longer than completions this is close to G times less work.
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    unique_prompts, row_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0,
+                                              return_inverse=True)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    num_completion = completion_ids.shape[1]
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=num_completion + 1,
-    ).logits[:, :-1].float() / temperature
+    num_prompt, num_completion = prompt_ids.shape[1], completion_ids.shape[1]
+    if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
+        logits = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=num_completion + 1,
+        ).logits[:, :-1]
+    else:
+        prefix = model(
+            input_ids=unique_prompts[:, :num_prompt],
+            attention_mask=unique_prompts[:, num_prompt:],
+            position_ids=position_ids[:, :num_prompt][_first_rows(row_prompt, unique_prompts.shape[0])],
+            use_cache=True,
+            logits_to_keep=1,  # the prompt's last position predicts the first completion token
+        )
+        cache = prefix.past_key_values
+        cache.reorder_cache(row_prompt)
+        logits = torch.cat([
+            prefix.logits[row_prompt],
+            model(
+                input_ids=completion_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids[:, num_prompt:],
+                past_key_values=cache,
+                logits_to_keep=num_completion,
+            ).logits[:, :-1],
+        ], dim=1)
+    logits = logits.float() / temperature
     sampled = torch.gather(logits, 2, completion_ids.unsqueeze(-1)).squeeze(-1)
     return sampled - torch.logsumexp(logits, dim=-1)
+
+
+def _first_rows(row_group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """For each group, the index of one row that belongs to it."""
+    rows = torch.arange(row_group.shape[0], device=row_group.device)
+    return torch.empty(num_groups, dtype=torch.long, device=row_group.device).scatter_(0, row_group, rows)
