@@ -17,5 +17,10 @@ if ! command -v bwrap >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap
 fi
+# The eval report's screenshot test renders report.html in headless Chromium (Debian package `chromium`).
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium
+fi
 
 "$PY" -m pytest "$@"

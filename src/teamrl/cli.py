@@ -1,4 +1,5 @@
-"""``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume]``, ``teamrl config``, ``teamrl envs``."""
+"""``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume]``, ``teamrl eval ENV_OR_CONFIG``,
+``teamrl config``, ``teamrl envs``."""
 
 from __future__ import annotations
 
@@ -38,21 +39,53 @@ def main(argv: list[str] | None = None) -> int:
                                            "show the held-out joint reward before and after.")
     demo.add_argument("overrides", nargs="*", help="field=value overrides of the demo config")
     demo.add_argument("--config", default=None, help="a config file instead of the built-in demo preset")
+    demo.add_argument("--eval-items", type=int, default=32, help="held-out items scored before and after training")
+    demo.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
+
+    evaluate = commands.add_parser(
+        "eval", help="compare prompt-only baselines and trained teams on a task",
+        description="Run each method on the same items with the same sampling settings and seed, score it with "
+                    "the environment's joint reward, and write results.md/.csv/.json, PNG plots and report.html. "
+                    "Methods: single (one model does the whole job), single:MODEL (another model), concat (the "
+                    "untrained agents in parallel, outputs joined), sequential (agent 2 sees agent 1's output), "
+                    "discussion (each agent revises after seeing the others' first answers), team:PATH (a saved "
+                    "team, decentralised).")
+    evaluate.add_argument("target", metavar="ENV_OR_CONFIG",
+                          help="an environment's name (see `teamrl envs`), a YAML config file or a preset's name")
+    evaluate.add_argument("overrides", nargs="*", help="field=value overrides of the config, e.g. "
+                                                       "team.sampling.max_new_tokens=64")
+    evaluate.add_argument("--methods", default="single,concat,sequential,discussion",
+                          help="comma-separated methods (default: %(default)s)")
+    evaluate.add_argument("--model", default=None, help="base model of every agent (sets team.model), e.g. bundled")
+    evaluate.add_argument("--split", default="eval", help="the environment's split (default: %(default)s)")
+    evaluate.add_argument("--max-items", type=int, default=None, help="at most this many items (default: all)")
+    evaluate.add_argument("--num-samples", type=int, default=1, help="n: joint actions per item (default: 1)")
+    evaluate.add_argument("--k", default="1", help="comma-separated k of pass@k and accuracy@k, each <= n "
+                                                   "(default: %(default)s)")
+    evaluate.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval of the config)")
+    evaluate.add_argument("--run-dir", default=None, help="a training run directory: adds its reward curve "
+                                                          "(metrics.jsonl) to the report")
 
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
     commands.add_parser("presets", help="list the configs shipped with teamrl")
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "eval" and all("=" in arg and not arg.startswith("-") for arg in extra):
+        args.overrides += extra  # overrides after an option: argparse leaves positionals there unparsed
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return _train(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "demo":
             from teamrl.demo import run_demo
 
-            return run_demo(args.config, args.overrides)
+            return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples)
         if args.command == "config":
             for name, default, help_text in describe_fields():
                 print(f"{name} = {default}")
@@ -96,6 +129,21 @@ def _train(args: argparse.Namespace) -> int:
               f"{last['reward/mean']:.3f} at step {last['step']}")
     print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
     print(f"team saved to: {team_dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from teamrl.evaluation.report import markdown_results, read_history, write_report
+    from teamrl.evaluation.runner import EvalSettings, eval_config, parse_ks, parse_methods, run_evaluation
+
+    settings = EvalSettings(tuple(parse_methods(args.methods)), args.split, args.max_items, args.num_samples,
+                            parse_ks(args.k))
+    config = eval_config(args.target, args.overrides, args.model)
+    history = read_history(args.run_dir) if args.run_dir else None
+    results = run_evaluation(config, settings, log=lambda message: print(message, flush=True))
+    files = write_report(results, args.out or Path(config.run_dir) / "eval", history)
+    print(markdown_results(results))
+    print(f"report: {files['report.html']}  (tables: results.md, results.csv, results.json)")
     return 0
 
 

@@ -34,7 +34,10 @@ class Environment(ABC):
     Subclasses set ``num_agents``, ``roles`` (a default system prompt per seat) and ``splits`` (the
     items of 'train' and 'eval') and implement :meth:`observe` and :meth:`joint_reward`; multi-turn tasks also implement
     :meth:`next_observations`. Rewards are plain functions of the joint action; override
-    :meth:`joint_rewards` only to score a batch more efficiently (e.g. in a sandbox pool).
+    :meth:`joint_rewards` only to score a batch more efficiently (e.g. in a sandbox pool). For the
+    prompt-only baselines (``teamrl eval``), a task implements :meth:`single_agent_observation` and
+    :meth:`split_single_agent_output` (one model doing the whole job) and may name its seats' outputs
+    (:attr:`output_names`) or override :meth:`teammates_observation` (agents shown each other's answers).
     """
 
     num_agents: int = 2
@@ -80,6 +83,46 @@ class Environment(ABC):
     def vocabulary(self) -> list[str] | None:
         """Words a word-level tokenizer needs for this task (used by the 'tiny' test model), if any."""
         return None
+
+    # --------------------------------------------------------------------------------------------
+    # Hooks of the prompt-only baselines (teamrl.evaluation.baselines). Training and decentralised
+    # execution never call them: they only let a baseline put the same task to other set-ups.
+
+    output_names: Sequence[str] = ()
+    """What each seat writes ("one-sentence summary", "helper function `aux`"): labels a teammate's
+    answer in :meth:`teammates_observation`. Empty: "answer"."""
+    single_agent_role: str | None = None
+    """System prompt of the single-agent baseline, the one model that does every seat's part."""
+
+    def single_agent_observation(self, item: Item) -> str:
+        """The single-agent baseline's one prompt: the whole task, asking for every seat's part in one
+        answer, in the layout :meth:`split_single_agent_output` reads back."""
+        raise NotImplementedError(f"{type(self).__name__} defines no single-agent prompt (single_agent_observation)")
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """The joint action (one part per seat) a single model's ``completion`` stands for, so that
+        :meth:`joint_reward` scores the single agent exactly as it scores a team."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot split a single agent's answer (split_single_agent_output)")
+
+    def teammates_observation(self, item: Item, seat: int, observation: str,
+                              teammates: Sequence[tuple[int, str]], own: str | None = None) -> str:
+        """Agent ``seat``'s observation when a prompt-only team shows answers around (the sequential
+        pipeline and the one-round discussion): its own ``observation``, its own earlier answer
+        (``own``, when it is asked to revise), each teammate's answer (``(seat, text)`` pairs), and a
+        request to write, or revise, its part so that it fits theirs.
+        """
+        parts = [observation]
+        if own is not None:
+            parts.append(f"Your first answer:\n{own}")
+        parts += [f"Your teammate's {self._output_name(other)}:\n{text}" for other, text in teammates]
+        whose = "your teammate's" if len(teammates) == 1 else "your teammates'"
+        request = "Revise your answer" if own is not None else "Write your answer"
+        parts.append(f"{request} so that it fits with {whose}. Reply with your own part only.")
+        return "\n\n".join(parts)
+
+    def _output_name(self, seat: int) -> str:
+        return self.output_names[seat] if seat < len(self.output_names) else "answer"
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}

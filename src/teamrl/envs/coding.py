@@ -31,6 +31,10 @@ The result's ``parts`` are the reward's parts plus, when the tests ran, the coun
 and ``tests_total`` (which are not part of the total). The full grade (analysis and sandbox record) of
 each joint action is kept in a bounded cache: :meth:`CodingEnv.grade` returns it.
 
+The single-agent baseline (``teamrl eval``) asks one model for ``aux`` and the entry point together;
+its code is split into the helper's part (every definition but the entry point) and the main agent's
+(the entry point), each with the completion's imports, and scored by the same reward.
+
 Multi-turn (any number of turns): each agent's next observation is its first one, its own previous
 code and feedback on the last joint action: a missing or non-returning function, its syntax error
 (line, column) and undefined names (the preamble's names count as defined, and ``aux`` for the main
@@ -92,6 +96,14 @@ MAIN_ROLE = (
     "yourself. Reply with only the code of your function in a single ```python block: no explanations, "
     "no examples, no tests."
 )
+SINGLE_AGENT_ROLE = (
+    "You are a Python programmer. You solve a problem with two functions: a helper function named `aux` "
+    "that does a useful part of the work, and the function the problem asks for, which calls `aux` and "
+    "builds on its result. Reply with only the code of both functions in a single ```python block: no "
+    "explanations, no examples, no tests."
+)
+#: RewardResult parts that count tests rather than score the joint action (see _with_test_counts).
+TEST_COUNT_PARTS = ("tests_passed", "tests_total")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,6 +364,8 @@ class CodingEnv(Environment):
 
     num_agents = 2
     roles = (HELPER_ROLE, MAIN_ROLE)
+    output_names = (f"helper function `{AUX}`", "main function")
+    single_agent_role = SINGLE_AGENT_ROLE
     max_turns = None
     max_reward = MAX_REWARD
     #: The task's default source, split and eval size.
@@ -425,6 +439,21 @@ class CodingEnv(Environment):
                 f"`{AUX}({parameters})` that does a useful part of the work and returns its result: call it "
                 f"and build on what it returns. Do not define `{AUX}` yourself.")
         return [f"Problem:\n{item['problem']}\n\n{request}" for request in (helper, main)]
+
+    def single_agent_observation(self, item: Item) -> str:
+        """The problem, then the request for both functions: the entry point, built on a helper ``aux``."""
+        entry_point, parameters = item["entry_point"], item["parameters"]
+        return (f"Problem:\n{item['problem']}\n\nImplement `{entry_point}({parameters})` as specified, with a "
+                f"helper function `{AUX}({parameters})` that you also write: `{AUX}` does a useful part of the "
+                f"work and returns its result; `{entry_point}` calls it and builds on what it returns.")
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """The helper's part (every definition but the entry point) and the main agent's (the entry
+        point), each with the completion's imports."""
+        code = extract_code(completion)
+        main = code.definition(item["entry_point"])
+        helpers = tuple(definition for definition in code.definitions if definition.name != item["entry_point"])
+        return [render(code.imports, helpers), render(code.imports, (main,) if main is not None else ())]
 
     @property
     def pool(self) -> SandboxPool:
@@ -510,7 +539,7 @@ class CodingEnv(Environment):
 def _with_test_counts(grade: CodeGrade) -> RewardResult:
     if grade.record is None:
         return grade.reward
-    counts = {"tests_passed": float(grade.record.passed), "tests_total": float(grade.record.total)}
+    counts = dict(zip(TEST_COUNT_PARTS, (float(grade.record.passed), float(grade.record.total))))
     return RewardResult(grade.reward.total, {**grade.reward.parts, **counts})
 
 

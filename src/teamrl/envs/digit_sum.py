@@ -9,6 +9,10 @@ is exactly what joint training has to discover. The closeness credit keeps the r
 a tiny random model to find the convention in seconds.
 
 In multi-turn episodes each agent then sees its partner's row and the number of hits, and tries again.
+
+The prompt-only baselines' prompts use the game's own words (the 'tiny' model's vocabulary): a single
+agent reads ``target T first second`` and writes both rows (its first ``length`` digits are row 0,
+the next ``length`` row 1); an agent shown its partner's row reads ``target T partner ROW [you ROW] SEAT``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class DigitSumGame(Environment):
 
     num_agents = 2
     roles = ("You write the first row of digits.", "You write the second row of digits.")
+    single_agent_role = "You write both rows of digits: the first row, then the second."
 
     def __init__(self, targets: Sequence[int] = (9,), length: int = 4, num_train: int = 64,
                  num_eval: int = 16, max_turns: int = 4, seed: int = 0):
@@ -92,6 +97,22 @@ class DigitSumGame(Environment):
                 f"you {_clean(self.digits(own))} hits {hits} {_SEATS[seat]}"
             )
         return observations
+
+    def single_agent_observation(self, item: Item) -> str:
+        return f"target {item['target']} {' '.join(_SEATS)}"
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """The first ``length`` whitespace tokens are row 0, the next ``length`` row 1."""
+        tokens = completion.split()
+        return [" ".join(tokens[seat * self.length:(seat + 1) * self.length]) for seat in range(self.num_agents)]
+
+    def teammates_observation(self, item: Item, seat: int, observation: str,
+                              teammates: Sequence[tuple[int, str]], own: str | None = None) -> str:
+        """``target T partner ROW [you ROW] SEAT``, as in :meth:`next_observations` (``observation`` is
+        rebuilt from ``item``, in the game's words)."""
+        partners = " ".join(f"partner {_clean(self.digits(text))}" for _, text in teammates)
+        you = f" you {_clean(self.digits(own))}" if own is not None else ""
+        return f"target {item['target']} {partners}{you} {_SEATS[seat]}"
 
     def vocabulary(self) -> list[str]:
         words = "target first second partner you hits nothing ?".split()

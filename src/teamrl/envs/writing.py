@@ -17,6 +17,9 @@ Data sources (the ``source`` argument), all read through :mod:`teamrl.data`:
   id, with the text in ``text_field`` (default ``"text"``). A file without splits is split
   deterministically (``eval_size``, ``seed``); a path containing ``{split}`` names one file a split.
 
+The single-agent baseline (``teamrl eval``) asks one model for both parts as two paragraphs; the
+first paragraph is scored as agent 0's completion and the rest as agent 1's.
+
 Items are dicts with ``id``, ``text`` (what the agents read, cut to ``max_text_chars``) and, where the
 source has one, ``reference``. The eval items never overlap the training items: an eval item whose id
 or text is also a training item's is dropped.
@@ -24,6 +27,7 @@ or text is also a training item's is dropped.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +39,10 @@ from teamrl.rewards.writing import WRITING_MAX_REWARD, arxiv_reward, tldr_reward
 
 #: Marks where :func:`truncate` cut a text.
 ELLIPSIS = " ..."
+#: A blank line: what separates the single-agent baseline's paragraphs.
+_BLANK_LINE = re.compile(r"\n\s*\n")
+#: The "Paragraph 1:" label the single-agent prompt uses, when a model echoes it.
+_PARAGRAPH_LABEL = re.compile(r"^paragraph\s*\d+\s*[:.]\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,20 @@ class WritingEnv(Environment):
         phrases = (phrase for group in TRANSITION_CATEGORIES.values() for phrase in group)
         return list(dict.fromkeys(token for text in (*self.roles, *observations, *phrases) for token in text.split()))
 
+    def single_agent_observation(self, item: Item) -> str:
+        """The text, then both agents' instructions as the two paragraphs of one answer."""
+        paragraphs = "\n".join(f"Paragraph {seat}: {instruction}"
+                               for seat, instruction in enumerate(self.instructions, 1))
+        return (f"{self.text_label}:\n{item['text']}\n\n"
+                f"Write exactly two paragraphs separated by a blank line, and nothing else.\n{paragraphs}")
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """The first paragraph is agent 0's part, the rest agent 1's (empty when there is only one: the
+        single agent missed the layout it was asked for, and the reward's length level says so)."""
+        paragraphs = [_PARAGRAPH_LABEL.sub("", part.strip()) for part in _BLANK_LINE.split(completion.strip())]
+        paragraphs = [part for part in paragraphs if part]
+        return [paragraphs[0] if paragraphs else "", "\n\n".join(paragraphs[1:])]
+
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         """The task's reward of (agent 0's completion, agent 1's completion), levels in ``parts``."""
         if len(actions) != self.num_agents:
@@ -257,6 +279,12 @@ class TldrEnv(WritingEnv):
         "explain the key points, the reasons and the outcome in one paragraph, linking ideas with words such "
         "as first, because, however and finally. No lists, no preamble.",
     )
+    output_names = ("one-sentence summary", "detailed summary")
+    single_agent_role = (
+        "You write summaries at two levels of detail: first the main point in one plain sentence, then a "
+        "detailed paragraph that explains the key points, the reasons and the outcome, linking ideas with "
+        "words such as first, because, however and finally. No lists, no headings, no preamble."
+    )
     instructions = (
         "In one sentence of 15 to 25 words, state the main point of the text above.",
         "Summarize the text above in detail: one paragraph of 3 to 4 sentences, in your own words.",
@@ -285,6 +313,12 @@ class ArxivEnv(WritingEnv):
         "You write the second part of a research paper's introduction: the methods and implications. A "
         "teammate writes the background and motivation, so you do not repeat them. Explain what the paper "
         "does, how, what it finds and why it matters. Write plain paragraphs of prose, no headings, no lists.",
+    )
+    output_names = ("background and motivation", "methods and implications")
+    single_agent_role = (
+        "You write a research paper's introduction: first the background and motivation, then the methods "
+        "and implications (what the paper does, how, what it finds and why it matters). Write plain "
+        "paragraphs of prose, no headings, no lists."
     )
     instructions = (
         "Write the background and motivation for this paper's introduction (about 150 words).",

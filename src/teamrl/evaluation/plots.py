@@ -1,9 +1,40 @@
-"""Plots of a run, as PNG files (matplotlib, headless)."""
+"""Plots of a run and of an evaluation, as PNG files (matplotlib, headless)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from teamrl.evaluation.schemes import SCHEMES
+
+#: One colour per cooperation scheme, in the order of ``SCHEMES``, the same in every plot.
+SCHEME_COLOURS = dict(zip(SCHEMES, ("tab:gray", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown")))
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: there is no display on servers and CI."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (its folder made if needed) and free it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    _pyplot().close(fig)
+    return path
+
+
+def _wrapped(labels: Sequence[str], width: int = 18) -> list[str]:
+    return [textwrap.fill(label, width) for label in labels]
 
 
 def plot_reward_curve(
@@ -16,11 +47,9 @@ def plot_reward_curve(
     title: str = "Joint reward during MAGRPO training",
 ) -> Path:
     """Training joint reward per step (and its running mean), with held-out before/after marks."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
 
     steps = [int(h["step"]) for h in history]
     rewards = [h["reward/mean"] for h in history]
@@ -42,9 +71,46 @@ def plot_reward_curve(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def plot_methods(methods: Sequence[str], series: Mapping[str, Sequence[float]], path: str | Path, *,
+                 title: str = "Methods compared") -> Path:
+    """Grouped bars: one group per method, one bar per series (e.g. normalised return, pass@1), on [0, 1].
+
+    ``series`` maps a series' name to one value per method, in the order of ``methods``.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(methods) + 2), 4), dpi=120)
+    width = 0.8 / max(1, len(series))
+    for index, (name, values) in enumerate(series.items()):
+        offsets = [position + (index - (len(series) - 1) / 2) * width for position in range(len(methods))]
+        bars = ax.bar(offsets, values, width, label=name, color=f"C{index}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+    ax.set_xticks(range(len(methods)), _wrapped(methods), fontsize=8)
+    ax.set_ylim(0, 1.25)  # room above a full bar for its label and the legend
+    ax.set_ylabel("fraction of the maximum")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", ncol=len(series))
+    return _save(fig, path)
+
+
+def plot_schemes(methods: Sequence[str], distributions: Sequence[Mapping[str, float]], path: str | Path, *,
+                 title: str = "Cooperation schemes of the joint actions") -> Path:
+    """One horizontal bar per method, split by the fraction of its joint actions in each scheme."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 1.4 + 0.6 * len(methods)), dpi=120)
+    rows = range(len(methods))
+    left = [0.0] * len(methods)
+    for scheme, colour in SCHEME_COLOURS.items():
+        fractions = [distribution.get(scheme, 0.0) for distribution in distributions]
+        ax.barh(rows, fractions, left=left, color=colour, label=scheme)
+        left = [start + fraction for start, fraction in zip(left, fractions)]
+    ax.set_yticks(rows, _wrapped(methods, 28), fontsize=8)
+    ax.invert_yaxis()  # the first method on top, as in the tables
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("fraction of joint actions")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return _save(fig, path)

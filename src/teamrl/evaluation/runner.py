@@ -1,0 +1,299 @@
+"""``teamrl eval``: run methods (prompt-only baselines, trained teams) on one task and measure them alike.
+
+Every method answers the same items of the same environment, samples with the same settings (the
+config's ``team.sampling`` and per-agent overrides, a saved team's included) from the same seed, and
+is scored by the environment's own joint reward. Per method: normalised return, mean reward and the
+mean of each reward part; for coding tasks pass@k, accuracy@k, the fraction of tests passed and the
+cooperation-scheme distribution; for every method tokens, seconds and tokens/s of generation.
+
+Methods (``--methods``, comma-separated): ``single`` (the first agent's model does the whole job),
+``single:MODEL`` (another model, any ``team.model`` spec), ``concat``, ``sequential``, ``discussion``
+(the baselines of :mod:`teamrl.evaluation.baselines`, on the untrained team the config describes) and
+``team:PATH`` (a team saved by :meth:`teamrl.team.Team.save_pretrained`, run decentralised).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
+from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
+from teamrl.envs.coding import AUX, HELPER, MAIN, TEST_COUNT_PARTS, CodingEnv
+from teamrl.evaluation.baselines import BASELINES, Episode, MethodOutput
+from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, summarise_levels,
+                                       tokens_per_second)
+from teamrl.evaluation.schemes import classify_scheme, scheme_distribution
+from teamrl.rewards.base import RewardResult
+from teamrl.team import Agent, Team, load_base_model
+
+#: The prefix of a saved team in ``--methods``; it runs as the ``concat`` baseline (decentralised execution).
+TEAM_PREFIX = "team"
+_TITLES = {"single": "single agent", "concat": "naive concatenation (untrained team)",
+           "sequential": "sequential pipeline", "discussion": "one-round discussion"}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One entry of ``--methods``: which baseline runs, and on whose model."""
+
+    spec: str
+    """As written, e.g. ``single:bundled`` or ``team:runs/x/team``."""
+    baseline: str
+    """The registered baseline that runs it (a saved team runs as ``concat``)."""
+    model: str | None = None
+    """``single:MODEL``: the single agent's model spec."""
+    team_dir: Path | None = None
+    """``team:PATH``: the saved team."""
+
+    @property
+    def title(self) -> str:
+        """A readable name for tables and plots."""
+        if self.team_dir is not None:
+            return f"trained team ({self.team_dir})"
+        title = _TITLES.get(self.baseline, self.baseline)
+        return f"{title} ({self.model})" if self.model else title
+
+    @property
+    def description(self) -> str:
+        """What the method does and what each agent sees: the summary line of its baseline's docstring."""
+        summary = (BASELINES[self.baseline].__doc__ or "").strip().splitlines()[0]
+        if self.team_dir is not None:
+            return f"{summary} The agents are the saved team's (trained), run decentralised."
+        return f"{summary} The single agent runs on {self.model}." if self.model else summary
+
+
+def parse_methods(text: str) -> list[Method]:
+    """The methods of a comma-separated ``--methods`` value.
+
+    Raises:
+        ValueError: an unknown method, ``team:`` without a saved team, or a method given twice.
+    """
+    methods = []
+    for spec in (part.strip() for part in text.split(",")):
+        name, colon, argument = spec.partition(":")
+        if name == TEAM_PREFIX and argument:
+            directory = Path(argument).expanduser()
+            if not (directory / "team.json").is_file():
+                raise ValueError(f"--methods: {spec}: no saved team in {str(directory)!r} (no team.json); give a "
+                                 f"directory written by Team.save_pretrained, e.g. RUN_DIR/team after teamrl train")
+            methods.append(Method(spec, "concat", team_dir=directory))
+        elif name == "single" and colon and argument:
+            methods.append(Method(spec, name, model=argument))
+        elif name in BASELINES and not colon:
+            methods.append(Method(spec, name))
+        else:
+            raise ValueError(f"--methods: unknown method {spec!r}; use a comma-separated list of {method_forms()}")
+    specs = [method.spec for method in methods]
+    duplicates = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if duplicates:
+        raise ValueError(f"--methods: {', '.join(duplicates)} given twice; list each method once")
+    return methods
+
+
+def method_forms() -> str:
+    """Every form ``--methods`` accepts: the registered baselines, ``single:MODEL`` and ``team:PATH``."""
+    names = [f"{name}, {name}:MODEL" if name == "single" else name for name in BASELINES]
+    return ", ".join([*names, f"{TEAM_PREFIX}:PATH"])
+
+
+def parse_ks(text: str) -> tuple[int, ...]:
+    """The k values of a comma-separated ``--k`` value (``"1,3"``), sorted and distinct."""
+    try:
+        ks = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise ValueError(f"--k: {text!r} is not a comma-separated list of integers, e.g. --k 1,3") from None
+    if ks[0] < 1:
+        raise ValueError(f"--k: every k must be >= 1 (got {text!r})")
+    return tuple(ks)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What ``teamrl eval`` runs: the methods, on which items, how many samples, which k."""
+
+    methods: tuple[Method, ...]
+    split: str = "eval"
+    max_items: int | None = None
+    """At most this many items of the split, the first ones (None: all)."""
+    num_samples: int = 1
+    """n: joint actions each method samples per item (pass@k needs k <= n)."""
+    ks: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ValueError(f"--methods: no method given; use a comma-separated list of {method_forms()}")
+        if self.num_samples < 1:
+            raise ValueError(f"--num-samples: must be >= 1 (got {self.num_samples})")
+        if self.max_items is not None and self.max_items < 1:
+            raise ValueError(f"--max-items: must be >= 1 (got {self.max_items}); omit it for every item")
+        too_big = [k for k in self.ks if k > self.num_samples]
+        if too_big:
+            raise ValueError(f"--k: k={too_big[0]} exceeds --num-samples {self.num_samples}; pass@k and "
+                             f"accuracy@k need k <= n: lower --k or raise --num-samples to {max(too_big)}")
+
+
+@dataclass
+class MethodResult:
+    """A method's metrics and every joint action it produced."""
+
+    method: Method
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]
+
+
+@dataclass
+class EvalResults:
+    """Everything ``teamrl eval`` measured, ready for :mod:`teamrl.evaluation.report`."""
+
+    env_name: str
+    split: str
+    num_items: int
+    num_samples: int
+    ks: tuple[int, ...]
+    max_reward: float
+    is_code: bool
+    """Whether the task is a coding task (pass@k, tests and cooperation schemes apply)."""
+    agent_names: list[str]
+    methods: list[MethodResult]
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def eval_config(target: str, overrides: Sequence[str] = (), model: str | None = None) -> TrainConfig:
+    """The config ``teamrl eval TARGET`` runs with: a config file or preset, or a registered environment's
+    name on the default config; ``model`` (``--model``) sets ``team.model`` before the overrides apply."""
+    overrides = ([f"team.model={model}"] if model else []) + list(overrides)
+    if resolve_config_path(target).is_file():
+        return load_config(target, overrides)
+    if target in ENVIRONMENTS:
+        return load_config(None, [f"env.name={target}", *overrides])
+    raise ValueError(f"ENV_OR_CONFIG: {target!r} is neither an environment ({', '.join(sorted(ENVIRONMENTS))}) "
+                     f"nor a config file or preset ({', '.join(presets())})")
+
+
+def run_evaluation(config: TrainConfig, settings: EvalSettings,
+                   log: Callable[[str], None] = lambda message: None) -> EvalResults:
+    """Run every method of ``settings`` on ``config``'s task and measure it (see the module docstring).
+
+    Every model and saved team is loaded before anything generates, so a bad spec fails at once.
+    """
+    env = make_env(config.env.name, **config.env.kwargs)
+    try:
+        items = list(env.items(settings.split))[: settings.max_items]
+    except ValueError as err:
+        raise ValueError(f"--split: {err}") from None
+    if not items:
+        raise ValueError(f"--split: {config.env.name} has no {settings.split!r} items")
+    is_code = isinstance(env, CodingEnv)
+    if any(m.baseline == "single" for m in settings.methods) and \
+            type(env).single_agent_observation is Environment.single_agent_observation:
+        raise ValueError(f"--methods: single: {type(env).__name__} defines no single-agent prompt; implement "
+                         f"single_agent_observation and split_single_agent_output, or leave single out")
+    teams = _load_teams(config, env, settings.methods)
+    results = []
+    try:
+        for method, team in zip(settings.methods, teams):
+            log(f"{method.spec}: {len(items)} items x {settings.num_samples} samples ...")
+            with torch.random.fork_rng(devices=[]):  # the same sampling stream for every method
+                torch.manual_seed(config.seed)
+                output = BASELINES[method.baseline](env, team, items, settings.num_samples)
+            rewards = env.joint_rewards([(episode.item, episode.actions, ()) for episode in output.episodes])
+            metrics = method_metrics(env, output, rewards, settings.num_samples, settings.ks, is_code)
+            log(f"{method.spec}: normalised return {metrics['normalised_return']:.3f}, "
+                f"{metrics['tokens_per_s']:.1f} tokens/s")
+            results.append(MethodResult(method, metrics, _samples(output.episodes, rewards, settings.num_samples,
+                                                                   is_code)))
+    finally:
+        close = getattr(env, "close", None)  # a coding task's sandbox pool
+        if close is not None:
+            close()
+    return EvalResults(config.env.name, settings.split, len(items), settings.num_samples, settings.ks,
+                       env.max_reward, is_code, [agent.name for agent in config.team.agents], results,
+                       config_to_dict(config))
+
+
+def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]) -> list[Team]:
+    """The team each method runs: the config's untrained team (built once, shared), a one-agent team on
+    another model (``single:MODEL``) or a saved team with the config's sampling settings."""
+    untrained: Team | None = None
+    teams = []
+    for method in methods:
+        if method.team_dir is not None:
+            team = Team.from_pretrained(method.team_dir, env, device=config.team.device, dtype=config.team.dtype)
+            if len(team) != env.num_agents:
+                raise ValueError(f"--methods: {method.spec}: the saved team has {len(team)} agents but "
+                                 f"{config.env.name} has {env.num_agents} seats")
+            for index, agent in enumerate(team):
+                agent.sampling = config.team.agent_sampling(index)
+        elif method.model is not None:
+            model, tokenizer = load_base_model(method.model, env, seed=config.seed,
+                                               dtype=getattr(torch, config.team.dtype), device=config.team.device)
+            team = Team([Agent(name="single", model=model, tokenizer=tokenizer, sampling=config.team.agent_sampling(0),
+                               use_chat_template=config.team.use_chat_template, base_spec=method.model)])
+        else:
+            if untrained is None:
+                untrained = Team.from_config(config.team, env, seed=config.seed)
+            team = untrained
+        teams.append(team)
+    return teams
+
+
+def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[RewardResult], num_samples: int,
+                   ks: Sequence[int], is_code: bool) -> dict[str, float]:
+    """A method's metrics (names as in ``results.json``).
+
+    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part; a
+    coding task's test counts are left out, they are ``tests_passed``), ``tokens``, ``seconds``,
+    ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
+    and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
+    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's tests a
+    joint action passes) and ``scheme/NAME`` (the fraction of joint actions in each cooperation scheme).
+    """
+    totals = [reward.total for reward in rewards]
+    metrics = {"normalised_return": normalised_return(totals, env.max_reward),
+               "reward_mean": statistics.fmean(totals),
+               "reward_std": statistics.pstdev(totals)}
+    levels = summarise_levels([{name: value for name, value in reward.parts.items() if name not in TEST_COUNT_PARTS}
+                               for reward in rewards])
+    metrics.update({f"level/{name}": value for name, value in levels.items()})
+    if is_code:
+        rates = [_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
+        per_item = [rates[start:start + num_samples] for start in range(0, len(rates), num_samples)]
+        for k in ks:
+            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(num_samples, sum(r == 1.0 for r in item), k)
+                                                    for item in per_item)
+            metrics[f"accuracy@{k}"] = statistics.fmean(accuracy_at_k(item, k) for item in per_item)
+        metrics["tests_passed"] = statistics.fmean(rates)
+        schemes = scheme_distribution([(e.actions[HELPER], e.actions[MAIN]) for e in output.episodes],
+                                      [e.item["entry_point"] for e in output.episodes], AUX)
+        metrics.update({f"scheme/{name}": fraction for name, fraction in schemes.items()})
+    answers = len(output.episodes)
+    metrics.update({"tokens": float(output.tokens), "seconds": output.seconds,
+                    "tokens_per_answer": output.tokens / answers, "seconds_per_answer": output.seconds / answers,
+                    "tokens_per_s": tokens_per_second(output.tokens, max(output.seconds, 1e-9))})
+    return metrics
+
+
+def _pass_rate(item: Item, reward: RewardResult) -> float:
+    """The fraction of the item's tests a joint action passed (0 when its code never reached the tests)."""
+    return reward.parts.get("tests_passed", 0.0) / len(item["tests"])
+
+
+def _samples(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_samples: int,
+             is_code: bool) -> list[dict[str, Any]]:
+    """``results.json``'s record of each joint action: what each agent saw and wrote, and its reward."""
+    records = []
+    for index, (episode, reward) in enumerate(zip(episodes, rewards)):
+        record = {"item": episode.item.get("id"), "sample": index % num_samples,
+                  "observations": episode.observations, "actions": episode.actions,
+                  "reward": reward.total, "parts": reward.parts, **episode.trace}
+        if is_code:
+            record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
+                                               episode.item["entry_point"], AUX).scheme
+        records.append(record)
+    return records

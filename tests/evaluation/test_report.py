@@ -1,0 +1,121 @@
+"""What ``teamrl eval`` writes: the tables (Markdown, CSV, JSON), the plots and the self-contained HTML report."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import dataclasses
+import json
+import re
+
+import pytest
+
+from teamrl.envs import make_env
+from teamrl.evaluation.baselines import Episode, MethodOutput
+from teamrl.evaluation.report import (REPORT_ITEMS, read_history, render_html, render_markdown, table_rows,
+                                      main_columns, write_report)
+from teamrl.evaluation.runner import EvalResults, Method, MethodResult, method_metrics
+from teamrl.evaluation.schemes import SCHEMES
+from teamrl.rewards.base import RewardResult
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def written(tiny_eval, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    return out, write_report(tiny_eval.results, out, read_history(tiny_eval.run_dir))
+
+
+def code_results() -> EvalResults:
+    """Two methods' made-up results on two HumanEval problems (nothing generated or run)."""
+    env = make_env("humaneval", eval_size=2, limit=4)
+    items = env.items("eval")
+    main = ("```python\ndef {0}(*args):\n    try:\n        return aux(*args)\n"
+            "    except Exception:\n        return len(args)\n```")
+    methods = []
+    for spec, passed in (("concat", 1.0), ("discussion", 0.0)):
+        episodes = [Episode(item, ["obs a", "obs b"], ["def aux(*args):\n    return args\n",
+                                                      main.format(item["entry_point"])]) for item in items]
+        rewards = [RewardResult(3.0 * passed + 0.5, {"syntax": 0.5, "tests_passed": passed * len(item["tests"]),
+                                                     "tests_total": float(len(item["tests"]))}) for item in items]
+        metrics = method_metrics(env, MethodOutput(episodes, 40, 2.0), rewards, 1, (1,), True)
+        samples = [{"item": e.item["id"], "sample": 0, "actions": e.actions, "reward": r.total, "parts": r.parts,
+                    "scheme": "fallback"} for e, r in zip(episodes, rewards)]
+        methods.append(MethodResult(Method(spec, spec), metrics, samples))
+    return EvalResults("humaneval", "eval", 2, 1, (1,), env.max_reward, True, ["helper", "main"], methods,
+                       {"seed": 0, "team": {"model": "tiny"}})
+
+
+def test_every_file_is_written(written):
+    out, files = written
+    assert {path.name for path in out.iterdir()} == {"results.md", "results.csv", "results.json", "report.html",
+                                                     "methods.png", "reward_curve.png"}
+    assert set(files) == {path.name for path in out.iterdir()}
+    for name in ("methods.png", "reward_curve.png"):
+        assert (out / name).read_bytes()[:8] == PNG and (out / name).stat().st_size > 10_000
+
+
+def test_the_markdown_table_has_one_row_per_method(tiny_eval, written):
+    out, _ = written
+    text = (out / "results.md").read_text()
+    results = tiny_eval.results
+    header = "| Method | Norm. return | Reward | Reward std | Tokens/answer | s/answer | Tokens/s |"
+    assert header in text and "## Mean reward per level (max total 1)" in text
+    for result, cells in zip(results.methods, table_rows(results, main_columns(results))):
+        assert "| " + " | ".join(cells) + " |" in text
+        assert f"**{result.method.title}** (`{result.method.spec}`): {result.method.description}" in text
+    assert text.count(f"| {results.methods[0].method.title} |") == 2  # the results and the per-level table
+
+
+def test_csv_and_json_hold_every_metric_and_sample(tiny_eval, written):
+    out, _ = written
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [row["method"] for row in rows] == [r.method.spec for r in tiny_eval.results.methods]
+    for row, result in zip(rows, tiny_eval.results.methods):
+        assert float(row["normalised_return"]) == pytest.approx(result.metrics["normalised_return"])
+    record = json.loads((out / "results.json").read_text())
+    assert record["env"] == "digit_sum" and record["num_samples"] == 2 and record["ks"] == [1, 2]
+    assert record["config"]["team"]["model"] == "tiny"
+    for method, result in zip(record["methods"], tiny_eval.results.methods):
+        assert method["method"] == result.method.spec and method["metrics"] == result.metrics
+        assert len(method["samples"]) == 6
+        assert {"observations", "actions", "reward", "parts"} <= set(method["samples"][0])
+
+
+def test_the_html_report_is_self_contained_and_escapes_model_text(tiny_eval, written):
+    out, files = written
+    page = (out / "report.html").read_text()
+    images = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == 2 and all(base64.b64decode(image)[:8] == PNG for image in images)
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing to fetch
+    for result in tiny_eval.results.methods:
+        assert result.method.title in page
+    assert page.count("<h3>Item ") == min(REPORT_ITEMS, tiny_eval.results.num_items)
+
+    first = tiny_eval.results.methods[0]
+    samples = [{**sample, "actions": ["<script>alert(1)</script>", "a & b"]} for sample in first.samples]
+    hostile = dataclasses.replace(tiny_eval.results, methods=[dataclasses.replace(first, samples=samples)])
+    page = render_html(hostile, {})
+    assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "a &amp; b" in page
+    assert "<img" not in page
+
+
+def test_coding_results_add_pass_at_k_the_schemes_table_and_plot(tmp_path):
+    results = code_results()
+    text = render_markdown(results)
+    assert "| pass@1 | acc@1 | Tests passed |" in text and "## Cooperation schemes (fraction of joint actions)" in text
+    assert "| " + " | ".join(SCHEMES) + " |" in text
+    # normalised return 3.5 / 4, mean reward 3.5 (std 0), every test passed: pass@1 = acc@1 = 1
+    assert "| naive concatenation (untrained team) | 0.875 | 3.500 | 0.000 | 1.000 | 1.000 | 1.000 |" in text
+    assert "| one-round discussion | 0.125 | 0.500 | 0.000 | 0.000 | 0.000 | 0.000 |" in text
+    files = write_report(results, tmp_path)
+    assert "schemes.png" in files and files["schemes.png"].read_bytes()[:8] == PNG
+    assert "reward_curve.png" not in files
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and "(fallback)" in page
+
+
+def test_a_run_directory_without_metrics_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--run-dir: .* has no metrics.jsonl"):
+        read_history(tmp_path)
