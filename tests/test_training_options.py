@@ -13,7 +13,7 @@ from teamrl.train import Trainer, batch_indices, make_scheduler
 def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config):
     config = tiny_config(steps=1, algorithm={"logprob_aggregation": "sequence_mean"})
     trainer = Trainer(config)
-    tree = magrpo.rollout(trainer.team, trainer.env, trainer.items[:4], config.algorithm)
+    tree = magrpo.rollout(magrpo.team_sampler(trainer.team), trainer.env, trainer.items[:4], config.algorithm)
     advantages, _ = magrpo.advantages(tree, len(trainer.team), config.algorithm)
     agent = trainer.team[0]
     gradients = []

@@ -5,6 +5,10 @@ A checkpoint is a directory ``checkpoints/step_000123`` holding, per agent, its 
 It is written under a temporary name, every file fsync'd, then renamed into place in one step, so a
 directory with the final name is always complete; ``latest`` names the newest one and is replaced the
 same way.
+
+The writer and the reader deal in :class:`AgentState` (plain CPU tensors and state dicts), not in live
+agents, so a driver can checkpoint agents that live in other processes or on other machines
+(:mod:`teamrl.distributed`) in the same format.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,33 +26,63 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from teamrl.team import Team
+from teamrl.team import Agent
 
 LATEST = "latest"
+
+
+@dataclass
+class AgentState:
+    """What a checkpoint keeps of one agent, on the CPU."""
+
+    parameters: dict[str, torch.Tensor]
+    """The trained parameters (the adapter, or the whole model) by their name in the agent's model."""
+    optim: dict[str, Any]
+    """``{"optimizer": ..., "scheduler": ...}`` state dicts."""
+
+
+def agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any) -> AgentState:
+    """``agent``'s trained parameters and optimiser and scheduler state, on the CPU. CPU tensors are not
+    copied: write or send the state before the next update changes them."""
+    names = _parameter_names(agent)
+    return AgentState(
+        parameters={names[id(p)]: p.detach().contiguous().cpu() for p in agent.parameters},
+        optim=_to_cpu({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}),
+    )
+
+
+def restore_agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any, state: AgentState,
+                        source: str | Path) -> None:
+    """Load ``state`` (read from checkpoint ``source``) into a live agent, its optimiser and scheduler."""
+    names = _parameter_names(agent)
+    if set(state.parameters) != set(names.values()):
+        raise ValueError(f"checkpoint {source} does not match agent {agent.name!r}'s parameters; "
+                         "was it written by a run with another team config?")
+    with torch.no_grad():
+        for p in agent.parameters:
+            p.copy_(state.parameters[names[id(p)]])
+    optimizer.load_state_dict(state.optim["optimizer"])
+    scheduler.load_state_dict(state.optim["scheduler"])
 
 
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    team: Team,
-    optimizers: list[torch.optim.Optimizer],
-    schedulers: list[Any],
+    agents: dict[str, AgentState],
     extra: dict[str, Any] | None = None,
     keep_last: int = 2,
 ) -> Path:
-    """Write the checkpoint for ``step`` atomically and prune all but the ``keep_last`` newest."""
+    """Write the checkpoint for ``step`` (``agents``: each agent's state by name) atomically and prune all
+    but the ``keep_last`` newest."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for agent, optimizer, scheduler in zip(team, optimizers, schedulers):
-        names = _parameter_names(agent)
-        save_file({names[id(p)]: p.detach().contiguous().cpu() for p in agent.parameters},
-                  str(tmp / f"{agent.name}.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   tmp / f"{agent.name}.optim.pt")
+    for name, state in agents.items():
+        save_file(state.parameters, str(tmp / f"{name}.safetensors"))
+        torch.save(state.optim, tmp / f"{name}.optim.pt")
     torch.save(
         {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state(),
          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -77,35 +113,35 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(
-    path: str | Path, team: Team, optimizers: list[torch.optim.Optimizer], schedulers: list[Any]
-) -> dict[str, Any]:
-    """Restore parameters, optimiser, scheduler and RNG states; returns the saved state (with ``step``)."""
+def load_checkpoint(path: str | Path, names: Sequence[str]) -> tuple[dict[str, AgentState], dict[str, Any]]:
+    """The states of agents ``names`` and the saved state (with ``step``); restores this process's RNG states."""
     path = Path(path)
-    for agent, optimizer, scheduler in zip(team, optimizers, schedulers):
-        tensors = load_file(str(path / f"{agent.name}.safetensors"))
-        names = _parameter_names(agent)
-        if set(tensors) != set(names.values()):
-            raise ValueError(f"checkpoint {path} does not match agent {agent.name!r}'s parameters; "
-                             "was it written by a run with another team config?")
-        with torch.no_grad():
-            for p in agent.parameters:
-                p.copy_(tensors[names[id(p)]])
-        state = torch.load(path / f"{agent.name}.optim.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+    agents = {name: AgentState(load_file(str(path / f"{name}.safetensors")),
+                               torch.load(path / f"{name}.optim.pt", weights_only=False))
+              for name in names}
     rng = torch.load(path / "rng.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.random.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())
+    return agents, json.loads((path / "state.json").read_text())
 
 
 def _parameter_names(agent) -> dict[int, str]:
     trained = {id(p) for p in agent.parameters}
     return {id(p): name for name, p in agent.model.named_parameters() if id(p) in trained}
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside its dicts, lists and tuples on the CPU (a no-op for CPU tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _fsync(path: Path) -> None:

@@ -249,6 +249,93 @@ class CheckpointConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Which engine samples the rollouts. The update always runs in transformers (it recomputes log-probs)."""
+
+    backend: Literal["transformers", "vllm"] = _doc(
+        "'transformers': batched generate() in the training process (CPU or GPU). 'vllm': vLLM engines on "
+        "the GPU (extra `[vllm]`, NVIDIA GPU only); LoRA adapters (or full weights) are synced to them "
+        "after every update.",
+        "transformers",
+    )
+    gpu_memory_utilization: float = _doc(
+        "vLLM: fraction of the GPU's memory each engine may take for weights and KV cache; the rest is "
+        "left to training.",
+        0.5,
+    )
+    max_model_len: int = _doc(
+        "vLLM: longest prompt + completion, in tokens, the KV cache is sized for. 0 = the model's own limit.", 0
+    )
+    sleep_between_rollouts: bool = _doc(
+        "vLLM: offload the engines' weights to CPU memory and free their KV cache while the agents update, "
+        "and restore them before the next rollout. Frees GPU memory for training at the cost of two copies.",
+        False,
+    )
+
+    def validate(self, path: str) -> None:
+        _check(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.max_model_len >= 0, f"{path}.max_model_len", "must be >= 0 (0 = the model's limit)",
+               self.max_model_len)
+        if self.backend == "vllm":
+            import importlib.util
+
+            import torch
+
+            # The GPU first: without one, installing vllm would not help.
+            _check(torch.cuda.is_available(), f"{path}.backend",
+                   "'vllm' runs on an NVIDIA GPU and torch sees no CUDA device here; use 'transformers', or "
+                   "on a GPU machine pip install \"teamrl[vllm]\"", self.backend)
+            _check(importlib.util.find_spec("vllm") is not None, f"{path}.backend",
+                   "'vllm' needs the vllm package: pip install \"teamrl[vllm]\", or use 'transformers'",
+                   self.backend)
+
+
+@dataclass
+class DistributedConfig:
+    """Where the agents live: in this process, or each in its own Ray actor on a machine or a cluster."""
+
+    backend: Literal["local", "ray"] = _doc(
+        "'local': every agent in this process. 'ray': each agent in a Ray actor of its own (its own model "
+        "copy, optimiser and schedule, on its own CPUs, GPUs or node) while this process drives the rollouts "
+        "and updates and computes rewards (extra `[ray]`; docs/distributed.md).",
+        "local",
+    )
+    address: str | None = _doc(
+        "Ray: the cluster to join, as ray.init takes it: 'auto' (the cluster this machine joined with "
+        "`ray start`), 'HOST:6379', 'ray://HOST:10001' (Ray Client). Empty = the Ray already running in this "
+        "process, else Ray's default: $RAY_ADDRESS, else a cluster `ray start` began here, else a new local one.",
+        None,
+    )
+    cpus_per_agent: float = _doc(
+        "Ray: CPUs each agent actor reserves; fractions let agents share a CPU (on a small machine whole CPUs "
+        "can leave Ray none to schedule with). The actor's torch uses max(1, floor(cpus)) threads.",
+        0.5,
+    )
+    gpus_per_agent: float = _doc(
+        "Ray: GPUs each agent actor reserves (1 = a GPU of its own, 0.5 = two agents per GPU); > 0 needs "
+        "team.device='cuda'.",
+        0.0,
+    )
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = _doc(
+        "Ray: how the agents' reservations go onto nodes (a placement group): 'pack' onto as few nodes as "
+        "possible, 'spread' over as many, 'strict_spread' each agent on a different node (or fail), "
+        "'strict_pack' all on one node (or fail).",
+        "pack",
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.cpus_per_agent > 0, f"{path}.cpus_per_agent", "must be > 0 (fractions such as 0.5 share a CPU)",
+               self.cpus_per_agent)
+        _check(self.gpus_per_agent >= 0, f"{path}.gpus_per_agent", "must be >= 0", self.gpus_per_agent)
+        if self.backend == "ray":
+            import importlib.util
+
+            _check(importlib.util.find_spec("ray") is not None, f"{path}.backend",
+                   "'ray' needs the ray package: pip install \"teamrl[ray]\", or use 'local'", self.backend)
+
+
+@dataclass
 class TrainConfig:
     """A whole training run."""
 
@@ -262,6 +349,9 @@ class TrainConfig:
     run_dir: str = _doc("Where metrics, samples, checkpoints and the final team go.", "runs/teamrl")
     logging: LoggingConfig = _doc("Logging settings.", factory=LoggingConfig)
     checkpoint: CheckpointConfig = _doc("Checkpoint settings.", factory=CheckpointConfig)
+    rollout: RolloutConfig = _doc("Rollout engine settings.", factory=RolloutConfig)
+    distributed: DistributedConfig = _doc("Where the agents run (this process, or Ray actors).",
+                                          factory=DistributedConfig)
 
     def validate(self, path: str = "") -> None:
         _check(self.steps >= 1, "steps", "must be >= 1", self.steps)
@@ -271,6 +361,18 @@ class TrainConfig:
         self.optim.validate("optim")
         self.logging.validate("logging")
         self.checkpoint.validate("checkpoint")
+        self.rollout.validate("rollout")
+        self.distributed.validate("distributed")
+        if self.distributed.backend == "ray":
+            # Ray decides which devices an actor sees: GPU 0 of its own, or none.
+            device = "cuda" if self.distributed.gpus_per_agent > 0 else "cpu"
+            _check(self.team.device == device, "team.device",
+                   f"must be {device!r} with distributed.backend='ray' and gpus_per_agent="
+                   f"{self.distributed.gpus_per_agent:g} (Ray gives each agent actor its own devices)",
+                   self.team.device)
+            _check(self.rollout.backend == "transformers", "rollout.backend",
+                   "must be 'transformers' with distributed.backend='ray' (the agent actors sample themselves)",
+                   self.rollout.backend)
 
 
 # --------------------------------------------------------------------------------------------------

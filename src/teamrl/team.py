@@ -19,12 +19,16 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
+
+if TYPE_CHECKING:
+    from teamrl.rollout.generate import TeamSampler
 
 
 @dataclass
@@ -83,12 +87,31 @@ class Agent:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
 
+    def save_adapter(self, directory: str | Path) -> Path:
+        """Write this agent's LoRA adapter in PEFT's format (``adapter_model.safetensors`` and
+        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        if self.adapter is None:
+            raise ValueError(f"agent {self.name!r} has no LoRA adapter to save (it trains its full model)")
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
+                  str(target / "adapter_model.safetensors"))
+        self.model.peft_config[self.adapter].save_pretrained(str(target))
+        return target
+
 
 class Team:
     """The agents, in the environment's seat order."""
 
     def __init__(self, agents: Sequence[Agent]):
         self.agents = list(agents)
+        self.sampler: TeamSampler | None = None
+        """Samples the team's completions in place of transformers' ``generate`` when set (the Trainer sets a
+        :class:`~teamrl.rollout.vllm_backend.VLLMSampler` for ``rollout.backend: vllm``)."""
 
     def __len__(self) -> int:
         return len(self.agents)
@@ -150,9 +173,6 @@ class Team:
         loads it with no teamrl code. ``metadata`` (e.g. the environment and seed the team was
         trained with) is stored in ``team.json`` for :meth:`from_pretrained`.
         """
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         manifest = []
@@ -160,10 +180,7 @@ class Team:
             target = root / agent.name
             target.mkdir(exist_ok=True)
             if agent.adapter is not None:
-                state = get_peft_model_state_dict(agent.model, adapter_name=agent.adapter)
-                save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
-                          str(target / "adapter_model.safetensors"))
-                agent.model.peft_config[agent.adapter].save_pretrained(str(target))
+                agent.save_adapter(target)
             else:
                 agent.model.save_pretrained(str(target))
             agent.tokenizer.save_pretrained(str(target))

@@ -14,18 +14,22 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import yaml
 
 from teamrl.algorithms import magrpo
-from teamrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from teamrl.checkpoint import (AgentState, agent_state, latest_checkpoint, load_checkpoint, restore_agent_state,
+                               save_checkpoint)
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
-from teamrl.rollout.generate import generate_team
-from teamrl.team import Team
+from teamrl.rollout.generate import Generation, derive_seed, seeded
+from teamrl.team import Agent, Team
+
+if TYPE_CHECKING:
+    from teamrl.distributed import RayTeam
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -62,10 +66,35 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, tot
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr: float | None = None):
+    """An agent's AdamW (at ``lr``, default ``optim.lr``) and its schedule over the run's optimiser steps."""
+    optim = config.optim
+    optimizer = torch.optim.AdamW(parameters, lr=lr or optim.lr, betas=tuple(optim.betas),
+                                  weight_decay=optim.weight_decay)
+    total = config.steps * config.algorithm.num_iterations
+    return optimizer, make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total)
+
+
+def train_agent(agent: Agent, generations: list[Generation], advantages: list[torch.Tensor],
+                optimizer: torch.optim.Optimizer, scheduler: Any, config: TrainConfig, seed: int) -> dict[str, float]:
+    """One agent's update of a step (paper Eq. 2, :func:`magrpo.update_agent`) with the run's settings; its
+    stats and the learning rate it leaves. The same call runs here and in a Ray agent actor. ``seed`` seeds
+    whatever the update draws (dropout), so the result depends on the step alone: not on the process it
+    runs in, nor on what ran before it."""
+    with seeded(seed, agent.parameters[0].device):
+        stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm,
+                                    micro_batch_size=config.optim.micro_batch_size,
+                                    max_grad_norm=config.optim.max_grad_norm)
+    return {**stats, "lr": scheduler.get_last_lr()[0]}
+
+
 class Trainer:
     """Trains a team with MAGRPO as ``config`` says.
 
     ``team`` and ``env`` may be given directly (Python API); otherwise they are built from the config.
+    With ``distributed.backend='ray'`` the agents live in Ray actors (``team`` is then a
+    :class:`~teamrl.distributed.RayTeam`) and this process drives them: it samples every turn through all
+    of them at once, computes rewards and advantages itself, and has them all update at once.
     """
 
     def __init__(self, config: TrainConfig, *, team: Team | None = None, env: Environment | None = None):
@@ -74,25 +103,40 @@ class Trainer:
             _require("tensorboard", "logging.tensorboard")
         if config.logging.wandb_project:
             _require("wandb", "logging.wandb_project")
-        _seed_everything(config.seed)
+        seed_everything(config.seed)
         self.env = env if env is not None else make_env(config.env.name, **config.env.kwargs)
         if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
             raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
                              f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
-        self.team = team if team is not None else Team.from_config(
-            config.team, self.env, seed=config.seed, need_reference=config.algorithm.kl_coef > 0)
+        self.team: Team | RayTeam
+        if config.distributed.backend == "ray":
+            if team is not None:
+                raise ValueError("distributed.backend: 'ray' builds every agent in its own actor from the config; "
+                                 "pass no team object, or use 'local'")
+            from teamrl.distributed import RayTeam
+
+            self.team = RayTeam(config, self.env)
+            self.agent_names = self.team.names
+            self.sample: magrpo.SampleFn = self.team.sample
+        else:
+            self.team = team if team is not None else Team.from_config(
+                config.team, self.env, seed=config.seed, need_reference=config.algorithm.kl_coef > 0)
+            self.agent_names = [agent.name for agent in self.team]
+            self.sample = magrpo.team_sampler(self.team)
+            if config.rollout.backend == "vllm":
+                from teamrl.rollout.vllm_backend import VLLMSampler
+
+                self.team.sampler = VLLMSampler(config.rollout)
         self.items: Sequence[Item] = self.env.items("train")
         if not self.items:
             raise ValueError(f"env: {type(self.env).__name__} has no training items")
-        optim = config.optim
-        total = config.steps * config.algorithm.num_iterations
-        self.optimizers = []
+        self.optimizers = []  # under Ray, each agent's optimiser and schedule live in its actor
         self.schedulers = []
-        for agent, agent_cfg in zip(self.team, config.team.agents):
-            optimizer = torch.optim.AdamW(agent.parameters, lr=agent_cfg.lr or optim.lr,
-                                          betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-            self.optimizers.append(optimizer)
-            self.schedulers.append(make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total))
+        if isinstance(self.team, Team):
+            for agent, agent_cfg in zip(self.team, config.team.agents):
+                optimizer, scheduler = make_optimizer(agent.parameters, config, agent_cfg.lr)
+                self.optimizers.append(optimizer)
+                self.schedulers.append(scheduler)
         self.run_dir = Path(config.run_dir)
         self.step = 0
         self._writers: list[Any] = []
@@ -103,28 +147,26 @@ class Trainer:
         config = self.config
         start = time.perf_counter()
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
-        tree = magrpo.rollout(self.team, self.env, items, config.algorithm)
-        per_agent, returns = magrpo.advantages(tree, len(self.team), config.algorithm)
+        # Every draw of the step is seeded from (seed, step): a resumed run, or one whose agents live in
+        # Ray actors, samples and updates exactly as this uninterrupted, single-process one.
+        tree = magrpo.rollout(self.sample, self.env, items, config.algorithm, seed=derive_seed(config.seed, self.step))
+        names = self.agent_names
+        per_agent, returns = magrpo.advantages(tree, len(names), config.algorithm)
         metrics = magrpo.rollout_metrics(tree, returns, per_agent)
         generation_seconds = sum(t.generation_seconds for t in tree.turns)
         update_start = time.perf_counter()
-        for i, agent in enumerate(self.team):
-            stats = magrpo.update_agent(
-                agent, [t.generations[i] for t in tree.turns], per_agent[i],
-                self.optimizers[i], self.schedulers[i], config.algorithm,
-                micro_batch_size=config.optim.micro_batch_size, max_grad_norm=config.optim.max_grad_norm,
-            )
-            for key, value in stats.items():
-                metrics[f"{agent.name}/{key}"] = value
-            metrics[f"{agent.name}/lr"] = self.schedulers[i].get_last_lr()[0]
+        generations = [[t.generations[i] for t in tree.turns] for i in range(len(names))]
+        seeds = [derive_seed(config.seed, self.step, "update", i) for i in range(len(names))]
+        for name, stats in zip(names, self._update(generations, per_agent, seeds)):
+            metrics.update({f"{name}/{key}": value for key, value in stats.items()})
         generated = sum(gen.num_tokens for t in tree.turns for gen in t.generations)
         self.step += 1
         metrics.update({
             "step": self.step,
-            "loss": sum(metrics[f"{a.name}/loss"] for a in self.team),
-            "kl": sum(metrics[f"{a.name}/kl"] for a in self.team) / len(self.team),
-            "clip_fraction": sum(metrics[f"{a.name}/clip_fraction"] for a in self.team) / len(self.team),
-            "grad_norm": max(metrics[f"{a.name}/grad_norm"] for a in self.team),
+            "loss": sum(metrics[f"{name}/loss"] for name in names),
+            "kl": sum(metrics[f"{name}/kl"] for name in names) / len(names),
+            "clip_fraction": sum(metrics[f"{name}/clip_fraction"] for name in names) / len(names),
+            "grad_norm": max(metrics[f"{name}/grad_norm"] for name in names),
             "tokens/generated": float(generated),
             "tokens/per_second": generated / max(generation_seconds, 1e-9),
             "time/generation": generation_seconds,
@@ -173,15 +215,15 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint the current step."""
-        return save_checkpoint(self.run_dir, self.step, self.team, self.optimizers, self.schedulers,
+        return save_checkpoint(self.run_dir, self.step, dict(zip(self.agent_names, self._agent_states())),
                                keep_last=self.config.checkpoint.keep_last)
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None) -> dict[str, float]:
         """Mean joint reward (and mean reward parts) of the team on ``split``, turn 1.
 
-        Sampling uses its own seeded RNG stream (``seed``, default the run's seed), so evaluating
-        twice gives the same numbers for the same weights and training's random stream is untouched.
+        Sampling is seeded (``seed``, default the run's seed), so evaluating twice gives the same numbers
+        for the same weights, and training's samples are the same whether or not it evaluates.
         """
         return self.evaluate_with_samples(split, num_samples, max_items, seed)[0]
 
@@ -192,11 +234,8 @@ class Trainer:
         if not items:
             raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
         observations = [self.env.observe(item) for item in items]
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(self.config.seed if seed is None else seed)
-            generations = generate_team(
-                self.team, [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(self.team)],
-                num_samples)
+        generations = self.sample([[obs[i] for obs in observations] for i in range(self.env.num_agents)],
+                                  num_samples, self.config.seed if seed is None else seed)
         rows = range(len(items) * num_samples)
         joint_actions = [tuple(gen.texts[row] for gen in generations) for row in rows]
         results = self.env.joint_rewards([(items[row // num_samples], actions, ())
@@ -213,13 +252,33 @@ class Trainer:
         return metrics, samples
 
     # ----------------------------------------------------------------------------------------------
+    def _update(self, generations: list[list[Generation]], advantages: list[list[torch.Tensor]],
+                seeds: list[int]) -> list[dict[str, float]]:
+        """Every agent's update of this step (agent i: its completions of every turn, their advantages and
+        its seed): here one after the other, or in the agents' Ray actors all at once."""
+        if not isinstance(self.team, Team):
+            return self.team.update(generations, advantages, seeds)
+        return [train_agent(agent, generations[i], advantages[i], self.optimizers[i], self.schedulers[i],
+                            self.config, seeds[i]) for i, agent in enumerate(self.team)]
+
+    def _agent_states(self) -> list[AgentState]:
+        """Every agent's trained parameters and optimiser and schedule state, for a checkpoint."""
+        if not isinstance(self.team, Team):
+            return self.team.states()
+        return [agent_state(*live) for live in zip(self.team, self.optimizers, self.schedulers)]
+
     def _resume(self) -> None:
         for partial in (self.run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed mid-save
             shutil.rmtree(partial, ignore_errors=True)
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None:
             return
-        state = load_checkpoint(checkpoint, self.team, self.optimizers, self.schedulers)
+        states, state = load_checkpoint(checkpoint, self.agent_names)
+        if isinstance(self.team, Team):
+            for agent, optimizer, scheduler in zip(self.team, self.optimizers, self.schedulers):
+                restore_agent_state(agent, optimizer, scheduler, states[agent.name], checkpoint)
+        else:
+            self.team.load_states([states[name] for name in self.agent_names], checkpoint)
         self.step = int(state["step"])
         # Steps logged after the checkpoint by the killed run will be redone: drop them.
         for name in (METRICS_FILE, SAMPLES_FILE):
@@ -289,7 +348,8 @@ def _require(package: str, field: str) -> None:
         raise ValueError(f"{field}: needs the {package!r} package; pip install 'teamrl[{package}]' or turn it off")
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (what building a team may draw from, e.g. LoRA init)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -21,7 +21,7 @@ One training step for a batch of items:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import Generation, generate_team, token_logprobs
+from teamrl.rollout.generate import Generation, derive_seed, generate_team, token_logprobs
 from teamrl.team import Agent, Team
 
 
@@ -68,11 +68,30 @@ class Rollout:
     turns: list[Turn] = field(default_factory=list)
 
 
-def rollout(team: Team, env: Environment, items: Sequence[Item], config: AlgorithmConfig) -> Rollout:
-    """Sample the MAGRPO tree for ``items``: per turn, one batched generate call per agent (per base
-    model, when LoRA agents share one)."""
+SampleFn = Callable[[Sequence[list[str]], int, int], list[Generation]]
+"""``sample(observations, num_samples, seed)``: for every agent i in seat order, ``num_samples``
+completions of each of its own observations ``observations[i]``, prompted in its role; ``seed`` fixes the
+tokens. :func:`team_sampler` samples a :class:`~teamrl.team.Team` in this process; a
+:class:`~teamrl.distributed.RayTeam` samples in its agent actors."""
+
+
+def team_sampler(team: Team) -> SampleFn:
+    """The :data:`SampleFn` of a team in this process: one batched generate call per agent (per base model,
+    when LoRA agents share one)."""
+
+    def sample(observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+        prompts = [[agent.prompt(o) for o in obs] for agent, obs in zip(team, observations)]
+        return generate_team(team, prompts, num_samples, seed=seed)
+
+    return sample
+
+
+def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: AlgorithmConfig, *,
+            seed: int = 0) -> Rollout:
+    """Sample the MAGRPO tree for ``items``: per turn, every agent's G completions of each of its
+    observations at once (``sample``, seeded from ``seed`` and the turn)."""
     num_samples, individual = config.num_generations, config.learners == "individual"
-    combos = joint_action_combos(len(team), num_samples, config.joint_mode)
+    combos = joint_action_combos(env.num_agents, num_samples, config.joint_mode)
     frontier = [(item, ()) for item in items]
     parents = torch.arange(len(items))
     tree = Rollout()
@@ -80,8 +99,8 @@ def rollout(team: Team, env: Environment, items: Sequence[Item], config: Algorit
         observations = [env.observe(item) if not history else env.next_observations(item, history)
                         for item, history in frontier]
         start = time.perf_counter()
-        generations = generate_team(
-            team, [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)], num_samples)
+        generations = sample([[obs[i] for obs in observations] for i in range(env.num_agents)], num_samples,
+                             derive_seed(seed, turn))
         seconds = time.perf_counter() - start
         record = Turn(parents, [f[0] for f in frontier], [f[1] for f in frontier], observations, generations,
                       combos, [], torch.empty(0), seconds)

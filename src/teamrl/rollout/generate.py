@@ -5,17 +5,24 @@ once when they share a LoRA base (:func:`generate_team`). A completion's loss
 mask covers its tokens up to and including the first end-of-sequence token: prompt tokens, padding and
 whatever follows EOS never enter the loss. Masks come from explicit lengths, never from looking for pad
 or EOS inside the prompt (chat templates end every turn with the EOS token).
+
+Sampling can be seeded per call (``seed=``): a call then draws from its own stream, seeded from
+(run seed, step, turn, agent) by :func:`derive_seed`, so its tokens depend on its inputs alone — not on
+what was sampled before it, nor on the process it runs in (a Ray actor samples exactly what this
+process would).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 
 from teamrl.team import Agent, Team
 
@@ -54,9 +61,29 @@ class Generation:
 class TeamSampler(Protocol):
     """Another engine that samples a team's completions (``Team.sampler``), e.g. vLLM on a GPU."""
 
-    def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int) -> list[Generation]:
-        """What :func:`generate_team` returns, laid out the same way."""
+    def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int, *,
+                      seed: int | None = None) -> list[Generation]:
+        """What :func:`generate_team` returns, laid out the same way; ``seed`` fixes the samples."""
         ...
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that is a pure function of ``parts`` (e.g. run seed, step, turn, agent), the same in
+    every process and Python version (``hash()`` is salted per process; a digest is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run the block on torch's RNG (and ``device``'s, for a GPU) seeded with ``seed``, then give the caller
+    its own RNG state back untouched. ``None``: run on the caller's RNG as it is."""
+    if seed is None:
+        yield
+        return
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
@@ -76,7 +103,8 @@ def encode_prompts(agent: Agent, prompts: list[str]) -> tuple[torch.Tensor, torc
     return encoded["input_ids"], encoded["attention_mask"]
 
 
-def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch.Tensor,
+                       mask: torch.Tensor) -> list[str]:
     """The texts of the masked completion tokens (special tokens dropped, surrounding space stripped)."""
     texts = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
                                    skip_special_tokens=True)
@@ -84,12 +112,14 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tens
 
 
 @torch.no_grad()
-def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None) -> Generation:
+def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None, *,
+             seed: int | None = None) -> Generation:
     """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
 
     ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
     same batch, each row through its own adapter (PEFT mixed-adapter batches); ``agent`` then only
-    supplies the tokenizer and sampling settings.
+    supplies the tokenizer and sampling settings. ``seed``: sample from a stream of its own (see
+    :func:`seeded`) instead of torch's global one.
     """
     tokenizer = agent.tokenizer
     device = next(agent.model.parameters()).device
@@ -117,20 +147,21 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
         cache.batch_repeat_interleave(num_samples)
     if adapter_names is not None:
         routing["adapter_names"] = [name for name in adapter_names for _ in range(num_samples)]
-    out = agent.model.generate(
-        **routing,
-        input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
-        attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
-        past_key_values=cache,
-        do_sample=True,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        max_new_tokens=sampling.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=agent.eos_token_ids,
-        logits_processor=LogitsProcessorList([recorder]),
-    )
+    with seeded(seed, device):
+        out = agent.model.generate(
+            **routing,
+            input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
+            attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
+            past_key_values=cache,
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=agent.eos_token_ids,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
     completion_ids = out[:, prompt_ids.shape[1]:]
     mask = completion_mask(completion_ids, agent.eos_token_ids)
     logprobs = recorder.finish(out[:, -1]) * mask
@@ -145,7 +176,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                  concurrent: bool = False) -> list[Generation]:
+                  concurrent: bool = False, seed: int | None = None) -> list[Generation]:
     """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
 
     Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
@@ -155,22 +186,31 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     releases the GIL in its kernels) as decentralised execution wants.
 
     A team with a :attr:`~teamrl.team.Team.sampler` (another engine, e.g. vLLM) is sampled by it instead.
+
+    ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
+    actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
+    layout. Threads would share torch's one global RNG, hence not with ``concurrent``.
     """
     if team.sampler is not None:
-        return team.sampler.generate_team(team, prompts, num_samples)
+        return team.sampler.generate_team(team, prompts, num_samples, seed=seed)
     groups: dict[int, list[int]] = {}
     for i, agent in enumerate(team):
         groups.setdefault(id(agent.model), []).append(i)
+    if seed is not None and concurrent and len(groups) > 1:
+        raise ValueError("generate_team: seeded sampling runs the agents one after another; drop concurrent or seed")
+
+    def seed_of(first: int) -> int | None:
+        return None if seed is None else derive_seed(seed, first)
 
     def run_group(indices: list[int]) -> dict[int, Generation]:
         agents = [team[i] for i in indices]
         shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
             all(a.sampling == agents[0].sampling for a in agents)
         if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples) for i in indices}
+            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i)) for i in indices}
         rows = [p for i in indices for p in prompts[i]]
         names = [team[i].adapter for i in indices for _ in prompts[i]]
-        merged = generate(agents[0], rows, num_samples, adapter_names=names)
+        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]))
         out, start = {}, 0
         for i in indices:
             stop = start + len(prompts[i]) * num_samples
