@@ -22,6 +22,7 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
              eval_items: int = 32, eval_samples: int = 2) -> int:
     """Run the demo; returns the process exit code."""
     config = load_config(config_path or DEMO_PRESET, overrides)
+    _quiet_library_noise()
     start = time.perf_counter()
     print(f"teamrl demo: {len(config.team.agents)} agents on {config.team.model!r} "
           f"({config.team.training}), task {config.env.name!r}, {config.steps} MAGRPO steps "
@@ -58,3 +59,14 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
     print(f"Metrics:      {trainer.run_dir / 'metrics.jsonl'}")
     print(f"Total time:   {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _quiet_library_noise() -> None:
+    """Keep the newcomer's console to what teamrl reports: transformers' per-load weight bar, and PEFT
+    asking transformers 5 for a renamed attribute (a FutureWarning about their versions, not the run)."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
