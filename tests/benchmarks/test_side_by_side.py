@@ -1,0 +1,141 @@
+"""The pure parts of benchmarks/comlrl_side_by_side.py: matched configs, medians, ratios, the table.
+
+Runs without CoMLRL, torch models or the bundled model: the harness module imports only the standard
+library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from teamrl.config import config_from_dict
+
+HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / "comlrl_side_by_side.py"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    spec = importlib.util.spec_from_file_location("comlrl_side_by_side", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_both_configs_describe_the_same_work(harness, turns, tmp_path):
+    spec = harness.RunSpec(turns=turns, steps=5, items=2, num_generations=4, max_new_tokens=64, lr=5e-6)
+    ours = config_from_dict(harness.teamrl_config(spec, str(tmp_path), str(tmp_path / "run")))  # validates
+    theirs = harness.comlrl_config(spec)
+
+    assert ours.algorithm.num_generations == theirs["num_generations"] == 4
+    assert ours.algorithm.num_turns == theirs["num_turns"] == turns
+    assert ours.team.sampling.max_new_tokens == theirs["max_new_tokens"] == 64
+    assert ours.team.sampling.temperature == theirs["temperature"]
+    assert ours.team.sampling.top_p == theirs["top_p"]
+    assert ours.team.sampling.top_k == theirs["top_k"] == 0  # 0 = off in both (CoMLRL's default is 50)
+    assert ours.optim.lr == theirs["agent_learning_rate"] == 5e-6
+    assert ours.team.training == "full"  # CoMLRL 1.4.3 has no LoRA
+    assert ours.algorithm.joint_mode == theirs["joint_mode"] == "aligned"
+    assert ours.algorithm.discount == theirs["discount"] == 1.0
+    # the paper's mean baseline, no std normalisation, on both sides
+    assert ours.algorithm.advantage == theirs["advantage_mode"] == "mean"
+    assert theirs["advantage_normalization"] is False
+    assert ours.algorithm.kl_coef == 0 and theirs["reference_kl_enabled"] is False
+    assert ours.algorithm.early_termination_threshold is None and theirs["early_termination_threshold"] is None
+    # CoMLRL: AdamW(params, lr) with torch defaults, no gradient clipping
+    assert ours.optim.weight_decay == 0.01 and ours.optim.max_grad_norm is None
+    assert ours.optim.lr_scheduler == "constant" and ours.optim.warmup_steps == 0
+    assert ours.algorithm.num_iterations == 1
+    # one update covers the same items: every tree node of `items` items
+    assert ours.items_per_step == 2 and ours.steps == 5
+    assert theirs["rollout_buffer_size"] == theirs["train_batch_size"] == 2 * (1 if turns == 1 else 1 + 4)
+    assert theirs["eval_interval"] == 0
+
+
+def test_joint_actions_count_every_turn_of_the_aligned_tree(harness):
+    assert harness.joint_actions_per_step(harness.RunSpec(turns=1, items=2, num_generations=4)) == 8
+    assert harness.joint_actions_per_step(harness.RunSpec(turns=2, items=2, num_generations=4)) == 2 * (4 + 16)
+
+
+def test_spec_round_trips_through_json(harness):
+    spec = harness.RunSpec(turns=2, steps=3, lr=1e-5, threads=1, eval_before=False)
+    assert harness.RunSpec.from_json(spec.to_json()) == spec
+
+
+def test_median_and_ratio_skip_missing_values(harness):
+    assert harness.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert harness.median([None]) is None
+    assert harness.ratio(3.0, 2.0) == 1.5
+    assert harness.ratio(None, 2.0) is None and harness.ratio(1.0, 0.0) is None
+
+
+def _run(library, turns, repeat, step_seconds, rss, before, after):
+    return {"library": library, "turns": turns, "repeat": repeat, "step_seconds": step_seconds,
+            "generation_seconds_per_step": step_seconds / 2, "update_seconds_per_step": step_seconds / 2,
+            "joint_actions_per_second": 8 / step_seconds, "tokens_per_second": 400 / step_seconds,
+            "peak_rss_gb": rss, "reward_before": before, "reward_after": after}
+
+
+def test_summary_takes_medians_over_repeats_and_ratios_of_medians(harness):
+    runs = [
+        _run("teamrl", 1, 0, 10.0, 2.0, [1.0], [1.2]),
+        _run("teamrl", 1, 1, 30.0, 2.2, None, [1.4]),
+        _run("teamrl", 1, 2, 20.0, 2.1, None, [1.6]),
+        _run("comlrl", 1, 0, 40.0, 7.0, [1.0], [1.1]),
+        _run("comlrl", 1, 1, 50.0, 7.5, None, [1.3]),
+        _run("comlrl", 1, 2, 60.0, 7.2, None, [1.2]),
+    ]
+    block = harness.summarise(runs)["1-turn"]
+    assert block["teamrl"]["step_seconds"] == 20.0 and block["comlrl"]["step_seconds"] == 50.0
+    assert block["teamrl"]["repeats"] == 3
+    assert block["ratio"]["step_seconds"] == pytest.approx(0.4)
+    assert block["ratio"]["joint_actions_per_second"] == pytest.approx(8 / 20 / (8 / 50))
+    assert block["ratio"]["peak_rss_gb"] == pytest.approx(2.1 / 7.2)
+    assert block["teamrl"]["reward_before"] == [1.0]  # evaluated once, in the first repeat
+    assert block["teamrl"]["reward_after"] == [1.4] and block["comlrl"]["reward_after"] == [1.2]
+    assert block["ratio"]["reward_after"] == [pytest.approx(1.4 / 1.2)]
+
+
+def test_table_has_a_row_per_library_and_a_ratio_row_per_configuration(harness):
+    runs = [_run("teamrl", 1, 0, 10.0, 2.0, [1.0], [1.5]), _run("comlrl", 1, 0, 40.0, 8.0, [1.0], [1.0]),
+            _run("teamrl", 2, 0, 30.0, 2.5, [1.0, 1.1], [1.2, 1.3]),
+            _run("comlrl", 2, 0, 90.0, 9.0, [1.0, 1.1], [1.0, 1.3])]
+    table = harness.markdown_table(harness.summarise(runs)).splitlines()
+    assert table[0].startswith("| configuration | library | runs | s/step |")
+    assert len(table) == 2 + 2 * 3
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    assert "| 1-turn | teamrl | 1 | 10.0 |" in table[2]
+    assert "| 1-turn | teamrl / CoMLRL |  | 0.25x |" in table[4]
+    assert "1.200 / 1.300" in table[5]  # multi-turn rewards read turn 1 / turn 2
+    assert "1.20x / 1.00x" in table[7]
+
+
+def test_a_missing_library_gives_no_ratio_row(harness):
+    summary = harness.summarise([_run("teamrl", 1, 0, 10.0, 2.0, None, [1.0])])
+    assert "ratio" not in summary["1-turn"]
+    assert "–" in harness.markdown_table(summary)  # no pre-training reward: a dash, not a crash
+
+
+def test_report_records_the_matched_configs_and_the_table(harness, tmp_path):
+    args = harness.parse_args(["--out", str(tmp_path / "report.json"), "--turns", "2", "--steps", "3"])
+    assert args.repeats == 3 and args.num_generations == 4 and args.max_new_tokens == 64
+    runs = [_run("teamrl", 2, 0, 30.0, 2.5, [1.0, 1.1], [1.2, 1.3])]
+    table = harness.write_report(args, {"teamrl": "0", "comlrl": "1.4.3"}, tmp_path, runs)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["table"] == table and report["runs"] == runs
+    matched = report["matched"]["2-turn"]
+    assert matched["teamrl"]["algorithm"]["num_turns"] == matched["comlrl"]["num_turns"] == 2
+    assert matched["teamrl"]["steps"] == 3
+
+
+def test_bad_sizes_are_rejected_on_the_command_line(harness, capsys):
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--out", "x.json", "--num-generations", "1"])
+    assert "--num-generations must be >= 2" in capsys.readouterr().err
