@@ -19,7 +19,7 @@ DEMO_PRESET = "demo_tldr_cpu"
 
 
 def run_demo(config_path: str | None = None, overrides: list[str] | None = None, *,
-             eval_items: int = 32, eval_samples: int = 2) -> int:
+             eval_items: int = 16, eval_samples: int = 2) -> int:
     """Run the demo; returns the process exit code."""
     config = load_config(config_path or DEMO_PRESET, overrides)
     _quiet_library_noise()
