@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from teamrl.algorithms import magrpo
-from teamrl.train import Trainer, batch_indices, make_scheduler
+from teamrl.train import Trainer, batch_indices, make_scheduler, memory_metrics
 
 
 def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config):
@@ -91,3 +91,25 @@ def test_optional_loggers_fail_early_with_the_package_to_install(tiny_config, mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match=r"logging.tensorboard: needs the 'tensorboard' package"):
         Trainer(tiny_config(logging={"tensorboard": True}))
+
+
+def test_memory_metrics_follow_what_the_process_holds():
+    before = memory_metrics()
+    held = torch.ones(64 * 2**20, dtype=torch.float32)  # 268 MB, touched
+    during = memory_metrics()
+    assert during["memory/rss_gb"] - before["memory/rss_gb"] > 0.25
+    # the kernel updates the high-water mark lazily: it may trail the current RSS by a few pages
+    assert during["memory/peak_rss_gb"] > before["memory/rss_gb"] + 0.2
+    del held
+
+
+def test_evaluation_in_item_batches_scores_every_item_and_is_reproducible(tiny_config):
+    trainer = Trainer(tiny_config())
+    whole, whole_samples = trainer.evaluate_with_samples(num_samples=2, max_items=5, items_per_batch=5)
+    chunked, chunked_samples = trainer.evaluate_with_samples(num_samples=2, max_items=5, items_per_batch=2)
+    # every item scored num_samples times, in item order, whatever the batching
+    assert [s["item"] for s in chunked_samples] == [s["item"] for s in whole_samples]
+    assert len(chunked_samples) == 10
+    assert trainer.evaluate_with_samples(num_samples=2, max_items=5, items_per_batch=2)[0] == chunked
+    with pytest.raises(ValueError, match="items_per_batch"):
+        trainer.evaluate(items_per_batch=0)
