@@ -12,6 +12,8 @@ reward before and after training comes from one evaluation function shared by bo
     python benchmarks/comlrl_side_by_side.py --turns 1 --steps 1 --items 1 --num-generations 2 \\
         --max-new-tokens 24 --eval-items 2 --eval-samples 1 --repeats 1 --threads 1 \\
         --out /tmp/smoke.json                                               # smoke run, ~2 minutes
+    python benchmarks/comlrl_side_by_side.py --teamrl-training full lora --out runs/side_by_side.json
+                                     # adds teamrl's default (LoRA) against CoMLRL's only mode (full)
 
 This module holds the orchestration and the pure parts (matched configs, medians, ratios, the
 table); it imports neither torch nor either library, so its tests run in well under a second.
@@ -35,7 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-LIBRARIES = ("teamrl", "comlrl")
+#: What the table compares: teamrl doing CoMLRL's work (full fine-tuning), teamrl with its default LoRA
+#: (``--teamrl-training lora``: no longer identical work, CoMLRL has no LoRA), and CoMLRL.
+ENTRANTS = ("teamrl", "teamrl-lora", "comlrl")
+#: Each teamrl entrant's ratio row (``ratio`` keeps the matched comparison's name).
+RATIOS = {"teamrl": "ratio", "teamrl-lora": "ratio_lora"}
 WORKER = Path(__file__).with_name("side_by_side_worker.py")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +74,11 @@ class RunSpec:
     eval_before: bool = True
     threads: int | None = None
     """torch intra-op threads in both workers (None: torch's default, one per core)."""
+    teamrl_training: str = "full"
+    """teamrl's training mode: "full" (the matched work) or "lora" (teamrl's default, which CoMLRL lacks:
+    one adapter per agent on one shared frozen base; then the libraries no longer do identical work)."""
+    teamrl_lr: float | None = None
+    """teamrl's learning rate when it differs from CoMLRL's (LoRA adapters need a larger one); None: ``lr``."""
 
     def to_json(self) -> str:
         """The spec as JSON, as a worker reads it from its command line."""
@@ -95,12 +106,16 @@ def teamrl_config(spec: RunSpec, model_dir: str, run_dir: str) -> dict[str, Any]
     Chosen to be CoMLRL's MAGRPO: full fine-tuning, the paper's mean baseline without std
     normalisation, log-probs summed over tokens and averaged over sequences, one optimiser pass,
     no KL, no gradient clipping (CoMLRL clips nothing), AdamW with torch's default weight decay.
+    With ``spec.teamrl_training == "lora"``, teamrl trains its default instead: a rank-16 adapter per
+    agent on one shared frozen base, at ``spec.teamrl_lr``.
     """
+    lora = spec.teamrl_training == "lora"
     return {
         "env": {"name": "tldr", "kwargs": {"source": "aclsum", "max_text_chars": spec.max_text_chars}},
         "team": {
             "model": model_dir,
-            "training": "full",
+            "training": spec.teamrl_training,
+            **({"lora": {"r": 16, "alpha": 32}} if lora else {}),
             "sampling": {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature,
                          "top_p": spec.top_p, "top_k": spec.top_k},
             "agents": [{"name": name} for name in AGENT_NAMES],
@@ -118,8 +133,8 @@ def teamrl_config(spec: RunSpec, model_dir: str, run_dir: str) -> dict[str, Any]
             "kl_coef": 0.0,
             "early_termination_threshold": None,
         },
-        "optim": {"lr": spec.lr, "weight_decay": TORCH_ADAMW_WEIGHT_DECAY, "max_grad_norm": None,
-                  "lr_scheduler": "constant", "warmup_steps": 0, "micro_batch_size": 0},
+        "optim": {"lr": spec.teamrl_lr or spec.lr, "weight_decay": TORCH_ADAMW_WEIGHT_DECAY, "max_grad_norm": None,
+                  "lr_scheduler": "constant", "warmup_steps": 0},
         "steps": spec.steps,
         "items_per_step": spec.items,
         "seed": spec.seed,
@@ -199,16 +214,17 @@ def per_turn_median(runs: Sequence[dict[str, Any]], key: str) -> list[float] | N
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Medians per (turns, library) over repeats, and teamrl/CoMLRL ratios of those medians.
+    """Medians per (turns, entrant) over repeats, and teamrl/CoMLRL ratios of those medians.
 
-    Returns ``{"<T>-turn": {"teamrl": {...}, "comlrl": {...}, "ratio": {...}}}``. Eval rewards are
-    per-turn lists (``reward_before`` / ``reward_after``); their ratio is per turn too.
+    Returns ``{"<T>-turn": {"teamrl": {...}, "comlrl": {...}, "ratio": {...}}}``, plus
+    ``"teamrl-lora"`` and ``"ratio_lora"`` when teamrl also ran with LoRA. Eval rewards are per-turn
+    lists (``reward_before`` / ``reward_after``); their ratio is per turn too.
     """
     summary: dict[str, dict[str, Any]] = {}
     for turns in sorted({run["turns"] for run in runs}):
         block: dict[str, Any] = {}
-        for library in LIBRARIES:
-            mine = [run for run in runs if run["turns"] == turns and run["library"] == library]
+        for entrant in ENTRANTS:
+            mine = [run for run in runs if run["turns"] == turns and run["library"] == entrant]
             if not mine:
                 continue
             stats: dict[str, Any] = {"repeats": len(mine)}
@@ -217,16 +233,18 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     stats[key] = per_turn_median(mine, key)
                 else:
                     stats[key] = median([run.get(key) for run in mine])
-            block[library] = stats
-        if all(library in block for library in LIBRARIES):
-            ours, theirs = block["teamrl"], block["comlrl"]
-            block["ratio"] = {}
+            block[entrant] = stats
+        for entrant, name in RATIOS.items():
+            if entrant not in block or "comlrl" not in block:
+                continue
+            ours, theirs = block[entrant], block["comlrl"]
+            block[name] = {}
             for key, _, _ in COLUMNS:
                 if key.startswith("reward_"):
                     pairs = zip(ours[key] or [], theirs[key] or [])
-                    block["ratio"][key] = [ratio(a, b) for a, b in pairs] or None
+                    block[name][key] = [ratio(a, b) for a, b in pairs] or None
                 else:
-                    block["ratio"][key] = ratio(ours[key], theirs[key])
+                    block[name][key] = ratio(ours[key], theirs[key])
         summary[f"{turns}-turn"] = block
     return summary
 
@@ -240,21 +258,23 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
-    """The summary as a Markdown table: per configuration a teamrl row, a CoMLRL row and a ratio row.
+    """The summary as a Markdown table: per configuration a row per entrant, then a ratio row per teamrl entrant.
 
     Ratios are teamrl / CoMLRL (below 1 is better for times and memory, above 1 for throughputs).
     Multi-turn eval rewards read "turn 1 / turn 2".
     """
     header = ["configuration", "library", "runs"] + [title for _, title, _ in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    names = {"teamrl": "teamrl", "comlrl": "CoMLRL", "ratio": "teamrl / CoMLRL"}
+    names = {"teamrl": "teamrl", "teamrl-lora": "teamrl (LoRA)", "comlrl": "CoMLRL",
+             "ratio": "teamrl / CoMLRL", "ratio_lora": "teamrl (LoRA) / CoMLRL"}
     for config, block in summary.items():
-        for row in ("teamrl", "comlrl", "ratio"):
+        for row in names:
             if row not in block:
                 continue
             stats = block[row]
-            runs = str(stats.get("repeats", "")) if row != "ratio" else ""
-            cells = [_cell(stats.get(key), "{:.2f}x" if row == "ratio" else fmt) for key, _, fmt in COLUMNS]
+            is_ratio = row.startswith("ratio")
+            runs = "" if is_ratio else str(stats.get("repeats", ""))
+            cells = [_cell(stats.get(key), "{:.2f}x" if is_ratio else fmt) for key, _, fmt in COLUMNS]
             lines.append("| " + " | ".join([config, names[row], runs] + cells) + " |")
     return "\n".join(lines)
 
@@ -269,7 +289,7 @@ def run_worker(python: str, library: str, spec: RunSpec, work_dir: Path) -> dict
     Peak RSS comes from ``wait4`` on that process: the largest resident set of the worker and of any
     process it waited for, so each library is measured alone, whatever ran before it.
     """
-    tag = f"{library}-{spec.turns}turn-seed{spec.seed}"
+    tag = f"{library}{'-lora' if library == 'teamrl' and spec.teamrl_training == 'lora' else ''}-{spec.turns}turn-seed{spec.seed}"
     result_path = work_dir / f"{tag}.json"
     log_path = work_dir / f"{tag}.log"
     env = dict(os.environ)
@@ -319,6 +339,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: one per core). On a CPU other jobs share, "
                              "1 avoids threads spinning on busy cores, which can slow both libraries several-fold")
+    parser.add_argument("--teamrl-training", choices=["full", "lora"], nargs="+", default=["full"],
+                        help="teamrl's entrants: full (CoMLRL's work exactly, default) and/or lora (teamrl's "
+                             "default; CoMLRL still fine-tunes fully, so that row is no longer identical work)")
+    parser.add_argument("--teamrl-lora-lr", type=float, default=1e-4,
+                        help="teamrl's learning rate with LoRA (adapters need a larger one than --lr)")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter for both workers (one that has teamrl and comlrl, e.g. a venv's)")
     parser.add_argument("--work-dir", type=Path, default=None,
@@ -342,6 +367,15 @@ def spec_from_args(args: argparse.Namespace, turns: int, repeat: int) -> RunSpec
                    eval_before=repeat == 0)
 
 
+def entrants(args: argparse.Namespace, spec: RunSpec) -> list[tuple[str, str, RunSpec]]:
+    """(entrant, worker library, spec) of one repeat: teamrl's modes asked for, then CoMLRL."""
+    runs = [("teamrl", "teamrl", spec)] if "full" in args.teamrl_training else []
+    if "lora" in args.teamrl_training:
+        runs.append(("teamrl-lora", "teamrl",
+                     dataclasses.replace(spec, teamrl_training="lora", teamrl_lr=args.teamrl_lora_lr)))
+    return [*runs, ("comlrl", "comlrl", spec)]
+
+
 def write_report(args: argparse.Namespace, versions: dict[str, str], work_dir: Path,
                  runs: list[dict[str, Any]]) -> str:
     """Write the JSON report of the runs done so far to ``args.out``; return the Markdown table.
@@ -355,9 +389,10 @@ def write_report(args: argparse.Namespace, versions: dict[str, str], work_dir: P
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), **versions},
         "settings": {**vars(args), "out": str(args.out), "work_dir": str(work_dir)},
-        "matched": {f"{turns}-turn": {"teamrl": teamrl_config(spec, "<bundled model>", "<tmp>"),
-                                      "comlrl": comlrl_config(spec)}
-                    for turns in args.turns for spec in [spec_from_args(args, turns, 0)]},
+        "configs": {f"{turns}-turn": {entrant: comlrl_config(spec) if library == "comlrl"
+                                      else teamrl_config(spec, "<bundled model>", "<tmp>")
+                                      for entrant, library, spec in entrants(args, spec_from_args(args, turns, 0))}
+                    for turns in args.turns},
         "runs": runs,
         "summary": summary,
         "table": table,
@@ -380,13 +415,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         for repeat in range(args.repeats):
             spec = spec_from_args(args, turns, repeat)
             # Alternate which library goes first so neither always meets a warmer or busier machine.
-            order = LIBRARIES if repeat % 2 == 0 else LIBRARIES[::-1]
-            for library in order:
-                result = run_worker(args.python, library, spec, work_dir)
-                result.update(library=library, turns=turns, repeat=repeat)
+            order = entrants(args, spec)
+            for entrant, library, entrant_spec in order if repeat % 2 == 0 else order[::-1]:
+                result = run_worker(args.python, library, entrant_spec, work_dir)
+                result.update(library=entrant, turns=turns, repeat=repeat)
                 runs.append(result)
                 table = write_report(args, versions, work_dir, runs)
-                print(f"  {turns}-turn repeat {repeat + 1}/{args.repeats} {library:7s} "
+                print(f"  {turns}-turn repeat {repeat + 1}/{args.repeats} {entrant:11s} "
                       f"{result['step_seconds']:6.1f} s/step  peak RSS {result['peak_rss_gb']:.2f} GB  "
                       f"eval reward {result['reward_before']} -> {result['reward_after']}", flush=True)
     for config, block in summarise(runs).items():

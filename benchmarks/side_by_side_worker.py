@@ -15,7 +15,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from teamrl.config import config_from_dict
 from teamrl.envs.base import Item, Step
 from teamrl.envs.writing import TldrEnv
 from teamrl.models.bundled import ensure_converted, get_bundled_model
+from teamrl.team import Agent
 from teamrl.train import Trainer, batch_indices
 
 #: Instruction of the second turn, after the agent's own first answer and the team's score.
@@ -86,9 +87,12 @@ def tokens_until_eos(tokens: torch.Tensor, eos_token_id: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(models: Sequence[torch.nn.Module], tokenizer: PreTrainedTokenizerBase, env: TldrEnv,
+def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTrainedTokenizerBase, env: TldrEnv,
              spec: RunSpec) -> list[float]:
     """Mean joint reward per turn on the first ``eval_items`` held-out items; the same code for both libraries.
+
+    ``policies[i]()`` returns agent i's model ready to sample (for LoRA agents on one base: the base
+    routed through agent i's adapter).
 
     Every item gets ``eval_samples`` episodes; at each turn each agent samples one completion per
     episode from its own prompt (one batched, left-padded ``generate`` per agent and turn) with the
@@ -103,8 +107,8 @@ def evaluate(models: Sequence[torch.nn.Module], tokenizer: PreTrainedTokenizerBa
         for _ in range(spec.turns):
             observations = [env.next_observations(item, history) if history else env.observe(item)
                             for item, history in episodes]
-            actions = [_sample(model, tokenizer, [chat_prompt(tokenizer, env.roles[i], obs[i]) for obs in observations],
-                               spec) for i, model in enumerate(models)]
+            actions = [_sample(policy(), tokenizer, [chat_prompt(tokenizer, env.roles[i], obs[i]) for obs in observations],
+                               spec) for i, policy in enumerate(policies)]
             rewards = []
             for e, (item, history) in enumerate(episodes):
                 joint = tuple(agent_actions[e] for agent_actions in actions)
@@ -142,8 +146,8 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     for i, agent in enumerate(trainer.team):
         assert agent.prompt(first[i]) == chat_prompt(tokenizer, env.roles[i], first[i]), "prompts differ"
     setup_seconds = time.perf_counter() - started
-    models = [agent.model for agent in trainer.team]
-    before = evaluate(models, tokenizer, env, spec) if spec.eval_before else None
+    policies = [_policy(agent) for agent in trainer.team]
+    before = evaluate(policies, tokenizer, env, spec) if spec.eval_before else None
     history = []
     train_start = time.perf_counter()
     for _ in range(spec.steps):
@@ -161,8 +165,15 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
         "optimizer_steps_per_agent": spec.steps,
         "train_reward_turn1": [m["reward/turn1/mean"] for m in history],
         "reward_before": before,
-        "reward_after": evaluate(models, tokenizer, env, spec),
+        "reward_after": evaluate(policies, tokenizer, env, spec),
     }
+
+
+def _policy(agent: Agent) -> Callable[[], torch.nn.Module]:
+    def policy() -> torch.nn.Module:
+        agent.activate()
+        return agent.model
+    return policy
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,7 +258,8 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
     trainer.start_clock(tokenizer.eos_token_id)
     setup_seconds = time.perf_counter() - started
     eval_tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    before = evaluate(trainer.agents, eval_tokenizer, env, spec) if spec.eval_before else None
+    policies = [lambda model=model: model for model in trainer.agents]
+    before = evaluate(policies, eval_tokenizer, env, spec) if spec.eval_before else None
     train_start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - train_start
@@ -263,7 +275,7 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
         "optimizer_steps_per_agent": trainer.optimizer_steps[0],
         "train_reward_turn1": None,
         "reward_before": before,
-        "reward_after": evaluate(trainer.agents, eval_tokenizer, env, spec),
+        "reward_after": evaluate(policies, eval_tokenizer, env, spec),
     }
 
 

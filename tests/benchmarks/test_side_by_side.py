@@ -59,6 +59,36 @@ def test_both_configs_describe_the_same_work(harness, turns, tmp_path):
     assert theirs["eval_interval"] == 0
 
 
+def test_the_lora_entrant_changes_only_teamrls_training_mode_and_learning_rate(harness, tmp_path):
+    args = harness.parse_args(["--out", "x.json", "--teamrl-training", "full", "lora", "--lr", "5e-6"])
+    spec = harness.spec_from_args(args, 1, 0)
+    (full_name, _, full), (lora_name, lora_library, lora), (theirs_name, _, theirs) = harness.entrants(args, spec)
+    assert (full_name, lora_name, lora_library, theirs_name) == ("teamrl", "teamrl-lora", "teamrl", "comlrl")
+    assert full == theirs == spec
+    ours_full = harness.teamrl_config(full, str(tmp_path), str(tmp_path / "run"))
+    ours_lora = harness.teamrl_config(lora, str(tmp_path), str(tmp_path / "run"))
+    config = config_from_dict(ours_lora)  # validates
+    assert config.team.training == "lora" and config.team.lora.r == 16 and config.optim.lr == 1e-4
+    ours_lora["team"].pop("lora")
+    ours_lora["team"]["training"], ours_lora["optim"]["lr"] = "full", 5e-6
+    assert ours_lora == ours_full  # nothing else differs
+    only_lora = harness.parse_args(["--out", "x.json", "--teamrl-training", "lora"])
+    assert [name for name, _, _ in harness.entrants(only_lora, spec)] == ["teamrl-lora", "comlrl"]
+
+
+def test_a_lora_entrant_gets_its_own_rows_and_ratio(harness):
+    runs = [_run("teamrl", 1, 0, 20.0, 6.0, [1.0], [1.5]), _run("teamrl-lora", 1, 0, 10.0, 1.0, [1.0], [1.4]),
+            _run("comlrl", 1, 0, 40.0, 8.0, [1.0], [1.0])]
+    block = harness.summarise(runs)["1-turn"]
+    assert block["ratio"]["step_seconds"] == pytest.approx(0.5)
+    assert block["ratio_lora"]["step_seconds"] == pytest.approx(0.25)
+    assert block["ratio_lora"]["peak_rss_gb"] == pytest.approx(1 / 8)
+    table = harness.markdown_table(harness.summarise(runs)).splitlines()
+    assert [line.split("|")[2].strip() for line in table[2:]] == [
+        "teamrl", "teamrl (LoRA)", "CoMLRL", "teamrl / CoMLRL", "teamrl (LoRA) / CoMLRL"]
+    assert "| 1-turn | teamrl (LoRA) / CoMLRL |  | 0.25x |" in table[6]
+
+
 def test_joint_actions_count_every_turn_of_the_aligned_tree(harness):
     assert harness.joint_actions_per_step(harness.RunSpec(turns=1, items=2, num_generations=4)) == 8
     assert harness.joint_actions_per_step(harness.RunSpec(turns=2, items=2, num_generations=4)) == 2 * (4 + 16)
@@ -123,16 +153,18 @@ def test_a_missing_library_gives_no_ratio_row(harness):
     assert "–" in harness.markdown_table(summary)  # no pre-training reward: a dash, not a crash
 
 
-def test_report_records_the_matched_configs_and_the_table(harness, tmp_path):
-    args = harness.parse_args(["--out", str(tmp_path / "report.json"), "--turns", "2", "--steps", "3"])
+def test_report_records_every_entrants_config_and_the_table(harness, tmp_path):
+    args = harness.parse_args(["--out", str(tmp_path / "report.json"), "--turns", "2", "--steps", "3",
+                               "--teamrl-training", "full", "lora"])
     assert args.repeats == 3 and args.num_generations == 4 and args.max_new_tokens == 64
     runs = [_run("teamrl", 2, 0, 30.0, 2.5, [1.0, 1.1], [1.2, 1.3])]
     table = harness.write_report(args, {"teamrl": "0", "comlrl": "1.4.3"}, tmp_path, runs)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["table"] == table and report["runs"] == runs
-    matched = report["matched"]["2-turn"]
-    assert matched["teamrl"]["algorithm"]["num_turns"] == matched["comlrl"]["num_turns"] == 2
-    assert matched["teamrl"]["steps"] == 3
+    configs = report["configs"]["2-turn"]
+    assert configs["teamrl"]["algorithm"]["num_turns"] == configs["comlrl"]["num_turns"] == 2
+    assert configs["teamrl"]["steps"] == configs["teamrl-lora"]["steps"] == 3
+    assert (configs["teamrl"]["team"]["training"], configs["teamrl-lora"]["team"]["training"]) == ("full", "lora")
 
 
 def test_bad_sizes_are_rejected_on_the_command_line(harness, capsys):
