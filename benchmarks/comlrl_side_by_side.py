@@ -342,8 +342,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--teamrl-training", choices=["full", "lora"], nargs="+", default=["full"],
                         help="teamrl's entrants: full (CoMLRL's work exactly, default) and/or lora (teamrl's "
                              "default; CoMLRL still fine-tunes fully, so that row is no longer identical work)")
-    parser.add_argument("--teamrl-lora-lr", type=float, default=1e-4,
-                        help="teamrl's learning rate with LoRA (adapters need a larger one than --lr)")
+    parser.add_argument("--teamrl-lora-lr", type=float, default=2e-4,
+                        help="teamrl's learning rate with LoRA (adapters need a larger one than --lr; "
+                             "default: the demo preset's)")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter for both workers (one that has teamrl and comlrl, e.g. a venv's)")
     parser.add_argument("--work-dir", type=Path, default=None,

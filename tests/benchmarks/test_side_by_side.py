@@ -68,7 +68,7 @@ def test_the_lora_entrant_changes_only_teamrls_training_mode_and_learning_rate(h
     ours_full = harness.teamrl_config(full, str(tmp_path), str(tmp_path / "run"))
     ours_lora = harness.teamrl_config(lora, str(tmp_path), str(tmp_path / "run"))
     config = config_from_dict(ours_lora)  # validates
-    assert config.team.training == "lora" and config.team.lora.r == 16 and config.optim.lr == 1e-4
+    assert config.team.training == "lora" and config.team.lora.r == 16 and config.optim.lr == 2e-4
     ours_lora["team"].pop("lora")
     ours_lora["team"]["training"], ours_lora["optim"]["lr"] = "full", 5e-6
     assert ours_lora == ours_full  # nothing else differs
