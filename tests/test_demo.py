@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from teamrl.demo import run_demo
+from teamrl.demo import run_demo, typical_row
 
 
 def test_demo_reports_before_after_plot_and_saved_team(tmp_path, capsys):
@@ -20,3 +20,9 @@ def test_demo_reports_before_after_plot_and_saved_team(tmp_path, capsys):
     assert (tmp_path / "demo" / "team" / "team.json").exists()
     before, after = map(float, re.search(r"before ([\d.]+) ± [\d.]+  ->  after ([\d.]+)", out).groups())
     assert after > before + 0.3  # the tiny team learns digit_sum within 30 steps
+
+
+def test_the_example_is_the_row_nearest_both_means():
+    before = [0.0, 1.0, 2.0, 1.0]  # mean 1.0
+    after = [3.0, 1.0, 2.0, 2.0]   # mean 2.0
+    assert typical_row(before, after) == 3  # |1-1| + |2-2| = 0; row 1 is off by 1 after, row 2 by 1 before

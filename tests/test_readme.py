@@ -24,6 +24,8 @@ def test_readme_python_example_trains_a_team(tmp_path, monkeypatch, capsys):
 def test_readme_commands_point_at_files_that_exist():
     text = README.read_text()
     assert "bash scripts/test.sh" in text
+    main_job = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0]  # the first command: the main job
+    assert main_job.strip().endswith("teamrl demo"), main_job
     from teamrl.config import presets
 
     for name in re.findall(r"teamrl train (\w+)", text):

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--config", default=None, help="a config file instead of the built-in demo preset")
     demo.add_argument("--eval-items", type=int, default=16, help="held-out items scored before and after training")
     demo.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
+    demo.add_argument("--eval-seed", type=int, default=0,
+                      help="sampling seed of the held-out evaluation (kept apart from the training seed)")
 
     evaluate = commands.add_parser(
         "eval", help="compare prompt-only baselines and trained teams on a task",
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from teamrl.demo import run_demo
 
-            return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples)
+            return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples,
+                            eval_seed=args.eval_seed)
         if args.command == "config":
             for name, default, help_text in describe_fields():
                 print(f"{name} = {default}")
