@@ -289,7 +289,8 @@ def run_worker(python: str, library: str, spec: RunSpec, work_dir: Path) -> dict
     Peak RSS comes from ``wait4`` on that process: the largest resident set of the worker and of any
     process it waited for, so each library is measured alone, whatever ran before it.
     """
-    tag = f"{library}{'-lora' if library == 'teamrl' and spec.teamrl_training == 'lora' else ''}-{spec.turns}turn-seed{spec.seed}"
+    entrant = "teamrl-lora" if library == "teamrl" and spec.teamrl_training == "lora" else library
+    tag = f"{entrant}-{spec.turns}turn-seed{spec.seed}"
     result_path = work_dir / f"{tag}.json"
     log_path = work_dir / f"{tag}.log"
     env = dict(os.environ)

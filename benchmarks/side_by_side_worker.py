@@ -107,8 +107,9 @@ def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTr
         for _ in range(spec.turns):
             observations = [env.next_observations(item, history) if history else env.observe(item)
                             for item, history in episodes]
-            actions = [_sample(policy(), tokenizer, [chat_prompt(tokenizer, env.roles[i], obs[i]) for obs in observations],
-                               spec) for i, policy in enumerate(policies)]
+            actions = [_sample(policy(), tokenizer,
+                               [chat_prompt(tokenizer, env.roles[i], obs[i]) for obs in observations], spec)
+                       for i, policy in enumerate(policies)]
             rewards = []
             for e, (item, history) in enumerate(episodes):
                 joint = tuple(agent_actions[e] for agent_actions in actions)
