@@ -283,3 +283,81 @@ def test_lora_team_samples_in_one_call_and_each_row_is_its_own_adapters(tiny_con
             own = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
         on = gen.completion_mask.bool()
         torch.testing.assert_close(gen.sampling_logprobs[on], own[on], atol=1e-4, rtol=0)
+
+
+def _lora_team_with_distinct_adapters(tiny_config, **team):
+    from teamrl.train import Trainer
+
+    trainer = Trainer(tiny_config(steps=1, team={"training": "lora", **team}))
+    with torch.no_grad():
+        for agent in trainer.team:
+            for p in agent.parameters:
+                p.normal_(0, 0.3)
+    return trainer.team
+
+
+def test_stacked_adapters_compute_what_peft_routing_computes(tiny_config):
+    from teamrl.rollout.generate import _RowAdapters
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    model = team[0].model.eval()
+    names = [team[1].adapter, team[0].adapter, team[1].adapter, team[0].adapter]  # interleaved rows
+    ids = torch.randint(3, 15, (4, 6))
+    rows = _RowAdapters.build(model, names)
+    assert len(rows.layers) > 0
+    with torch.no_grad(), rows.route(names) as routing:
+        assert routing == {}  # the hooks route, not PEFT
+        stacked = model(input_ids=ids).logits
+    with torch.no_grad():
+        peft_routed = model(input_ids=ids, adapter_names=names).logits
+        team[0].activate()
+        own = model(input_ids=ids[1:2]).logits
+    torch.testing.assert_close(stacked, peft_routed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stacked[1:2], own, atol=1e-5, rtol=1e-5)
+    assert not any(module._forward_hooks for module, _, _ in rows.layers)  # the hooks leave with the block
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids[:1]).logits, stacked[:1])  # adapters are back on
+
+
+def test_adapter_variants_keep_peft_routing(tiny_config):
+    from teamrl.rollout.generate import _RowAdapters
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    model = team[0].model
+    names = [team[0].adapter, team[1].adapter]
+    layer = next(m for m, _, _ in _RowAdapters.build(model, names).layers)
+    layer.lora_variant[team[0].adapter] = object()  # e.g. DoRA: not a plain A/B pair
+    rows = _RowAdapters.build(model, names)
+    with rows.route(names) as routing:
+        assert routing == {"adapter_names": names} and not rows.layers
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.6)])
+def test_sampler_draws_from_the_filtered_policy_and_records_the_tempered_logprob(temperature, top_k, top_p):
+    from teamrl.rollout.generate import _Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0, 1.0]])
+    tempered = logits / temperature
+    expected = torch.softmax(tempered, dim=-1)
+    if top_k:
+        expected = torch.where(tempered >= tempered.topk(top_k).values[:, -1:], expected, 0)
+    if top_p < 1:  # keep the smallest set of top tokens whose mass reaches top_p
+        order = expected.argsort(dim=-1, descending=True)
+        before = expected.gather(1, order).cumsum(dim=-1) - expected.gather(1, order)
+        expected = expected * torch.zeros_like(expected).scatter(1, order, (before < top_p).float())
+    expected = expected / expected.sum(dim=-1, keepdim=True)
+    torch.manual_seed(0)
+    sampler = _Sampler(temperature, top_k, top_p)
+    draws, recorded = [], []
+    for _ in range(4000):
+        out = sampler(torch.zeros(2, 1, dtype=torch.long), logits)
+        token = out.argmax(dim=-1)  # what generate's greedy step picks
+        assert torch.equal(out.isfinite().sum(dim=-1), torch.ones(2, dtype=torch.long))
+        draws.append(token)
+        recorded.append(sampler.finish(token)[:, -1])
+        sampler.logprobs.clear()
+    draws = torch.stack(draws)
+    frequencies = torch.stack([torch.bincount(draws[:, r], minlength=5) for r in range(2)]) / len(draws)
+    assert frequencies[expected == 0].sum() == 0
+    torch.testing.assert_close(frequencies, expected, atol=0.03, rtol=0)
+    torch.testing.assert_close(torch.stack(recorded), torch.log_softmax(tempered, -1).gather(1, draws.T).T)

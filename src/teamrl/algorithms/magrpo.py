@@ -155,9 +155,9 @@ def update_agent(
     agent.model.train()
     temperature = agent.sampling.temperature
     batches = [
-        (gen, adv, rows)
+        (gen.rows(start, stop).trimmed(), adv[start:stop])
         for gen, adv in zip(generations, advantages)
-        for rows in _micro_batches(adv.shape[0], micro_batch_size)
+        for start, stop in _micro_batches(adv.shape[0], micro_batch_size)
     ]
     normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
     use_kl = config.kl_coef > 0
@@ -167,11 +167,11 @@ def update_agent(
     for iteration in range(config.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
-        for b, (gen, adv, rows) in enumerate(batches):
-            adv_rows = adv[rows].to(gen.completion_ids.device)
+        for b, (gen, adv) in enumerate(batches):
+            adv_rows = adv.to(gen.completion_ids.device)
             if not use_kl and not adv_rows.any():
                 continue  # a zero advantage contributes exactly zero gradient: skip the forward pass
-            inputs = (gen.prompt_ids[rows], gen.prompt_mask[rows], gen.completion_ids[rows], gen.completion_mask[rows])
+            inputs = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
             logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
             if old_logprobs[b] is None:
                 # No update has happened yet in the first pass, so the current policy is the sampling one.
@@ -204,9 +204,11 @@ def update_agent(
     return totals
 
 
-def _micro_batches(size: int, micro_batch_size: int) -> list[torch.Tensor]:
+def _micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
+    """(start, stop) of consecutive row ranges; each runs as its own forward pass without the padding
+    columns none of its rows needs (``Generation.rows(...).trimmed()``)."""
     step = micro_batch_size or size
-    return [torch.arange(start, min(start + step, size)) for start in range(0, size, step)]
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
 def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
