@@ -112,6 +112,12 @@ class TeamConfig:
         "Parameter dtype. float32 is fastest on CPUs without bf16 units.", "float32"
     )
     device: str = _doc("Torch device for every agent ('cpu', 'cuda', 'cuda:1', ...).", "cpu")
+    onednn_linear: bool = _doc(
+        "On CPU, run float32 linear layers (those with at least 2^18 weights) through oneDNN instead of MKL: "
+        "the same float32 arithmetic, 1.3-2x faster GEMMs at LLM shapes (see docs/performance.md). No effect "
+        "on other devices or dtypes, or where torch has no oneDNN.",
+        True,
+    )
 
     def validate(self, path: str) -> None:
         self.sampling.validate(f"{path}.sampling")

@@ -26,6 +26,7 @@ from torch import nn
 
 from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
+from teamrl.models.onednn import use_onednn_linears
 
 if TYPE_CHECKING:
     from teamrl.rollout.generate import TeamSampler
@@ -138,7 +139,8 @@ class Team:
             if config.training == "lora" and spec in shared_bases:
                 model, tokenizer = shared_bases[spec]
             else:
-                model, tokenizer = load_base_model(spec, env, seed=seed, dtype=dtype, device=config.device)
+                model, tokenizer = load_base_model(spec, env, seed=seed, dtype=dtype, device=config.device,
+                                                   onednn_linear=config.onednn_linear)
             agent = Agent(
                 name=agent_cfg.name,
                 model=model,
@@ -244,8 +246,10 @@ class Team:
         return cls(agents)
 
 
-def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str):
-    """Load a base model and tokenizer from a model spec (see ``TeamConfig.model``)."""
+def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str,
+                    onednn_linear: bool = True):
+    """Load a base model and tokenizer from a model spec (see ``TeamConfig.model``); ``onednn_linear``: see
+    :attr:`TeamConfig.onednn_linear`."""
     if spec == "tiny":
         from teamrl.models.tiny import tiny_model_and_tokenizer
 
@@ -257,7 +261,10 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
         from teamrl.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
-    return model.to(device=device, dtype=dtype), tokenizer
+    model = model.to(device=device, dtype=dtype)
+    if onednn_linear:
+        use_onednn_linears(model)
+    return model, tokenizer
 
 
 def _add_adapter(model: nn.Module, adapter: str, config: TeamConfig) -> nn.Module:

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (Cache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
+                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
+from teamrl.models.onednn import packed_weights
 from teamrl.team import Agent, Team
 
 
@@ -140,34 +142,22 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     else:
         rows = _RowAdapters.build(agent.model, adapter_names)
     agent.model.eval()
-    cache = None
-    if num_samples > 1 and prompt_ids.shape[1] > 1:
-        # Prefill each distinct prompt once and give its samples copies of the cache, instead of letting
-        # generate() prefill the same prompt num_samples times; generate() then only runs the last token.
-        with rows.route(adapter_names) as routing:
-            cache = agent.model(
-                input_ids=prompt_ids[:, :-1],
-                attention_mask=prompt_mask[:, :-1],
-                position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-                **routing,
-            ).past_key_values
-        cache.batch_repeat_interleave(num_samples)
     row_names = None if adapter_names is None else [name for name in adapter_names for _ in range(num_samples)]
-    with seeded(seed, device), rows.route(row_names) as routing:
-        # Greedy decoding of the sampler's output: _Sampler has already drawn the token (see there why).
-        out = agent.model.generate(
-            **routing,
-            input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
-            attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
-            past_key_values=cache,
-            do_sample=False,
-            max_new_tokens=sampling.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=agent.eos_token_ids,
-            logits_processor=LogitsProcessorList([sampler]),
-        )
+    with packed_weights(agent.model, rows=prompt_ids.shape[0] * num_samples), seeded(seed, device):
+        cache = _shared_prefill(agent, prompt_ids, prompt_mask, num_samples, rows, adapter_names)
+        with rows.route(row_names) as routing:
+            # Greedy decoding of the sampler's output: _Sampler has already drawn the token (see there why).
+            out = agent.model.generate(
+                **routing,
+                input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
+                attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
+                past_key_values=cache,
+                do_sample=False,
+                max_new_tokens=sampling.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=agent.eos_token_ids,
+                logits_processor=LogitsProcessorList([sampler]),
+            )
     completion_ids = out[:, prompt_ids.shape[1]:]
     mask = completion_mask(completion_ids, agent.eos_token_ids)
     logprobs = sampler.finish(out[:, -1]) * mask
@@ -179,6 +169,45 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
         sampling_logprobs=logprobs,
         texts=decode_completions(tokenizer, completion_ids, mask),
     )
+
+
+def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
+                    rows: _RowAdapters, adapter_names: list[str] | None) -> Cache | None:
+    """The key/value cache of every prompt but its last token, for ``num_samples`` rows per prompt: each
+    distinct prompt is prefilled once and its samples get copies, where ``generate()`` would prefill the
+    same prompt ``num_samples`` times; ``generate()`` then only runs the last prompt token. None where
+    there is nothing to share."""
+    if num_samples == 1 or prompt_ids.shape[1] == 1:
+        return None
+    with rows.route(adapter_names) as routing:
+        cache = agent.model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **routing,
+        ).past_key_values
+    cache.batch_repeat_interleave(num_samples)
+    return _preallocated(cache, agent.model.config, prompt_ids.shape[1] + agent.sampling.max_new_tokens)
+
+
+def _preallocated(cache: Cache, config, max_length: int) -> Cache:
+    """``cache``'s keys and values in a :class:`~transformers.StaticCache` of ``max_length`` positions, or
+    ``cache`` itself where its layers are not plain full-attention ones (sliding windows, states).
+
+    A ``DynamicCache`` concatenates every layer's keys and values with the new position at every decoding
+    step, copying the whole cache each time; a static one writes the new position in place. With 16 rows
+    of ~150-token prompts on SmolLM2-135M that is ~20 ms of a ~150 ms decoding step, on 2 CPU cores.
+    """
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return cache
+    static = StaticCache(config=config, max_cache_len=max_length)
+    if len(static.layers) != len(cache.layers) or not all(type(layer) is StaticLayer for layer in static.layers):
+        return cache
+    for index, layer in enumerate(cache.layers):
+        static.update(layer.keys, layer.values, index)
+    return static
 
 
 class _RowAdapters:
@@ -393,9 +422,11 @@ def token_logprobs(
                 logits_to_keep=num_completion,
             ).logits[:, :-1],
         ], dim=1)
-    logits = logits.float() / temperature
-    sampled = torch.gather(logits, 2, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return sampled - torch.logsumexp(logits, dim=-1)
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # One fused kernel each way: half the time of gather - logsumexp over a 49k vocabulary (4 x 64 tokens).
+    return torch.log_softmax(logits, dim=-1).gather(2, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def _first_rows(row_group: torch.Tensor, num_groups: int) -> torch.Tensor:
