@@ -103,3 +103,21 @@ def test_save_pretrained_writes_peft_adapters_that_load_without_teamrl(tmp_path)
     ids = a.tokenizer("target 9 first", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, expected, atol=1e-5)
+
+
+def test_team_onednn_linear_switches_each_base_once_on_cpu_only(monkeypatch):
+    import teamrl.team as team_module
+
+    switched = []
+    monkeypatch.setattr(team_module, "use_onednn_linears", lambda model: switched.append(model))
+    for training, onednn_linear, calls in (("lora", True, 1), ("full", True, 2), ("lora", False, 0)):
+        switched.clear()
+        config = config_from_dict({"team": {"training": training, "onednn_linear": onednn_linear,
+                                            "sampling": {"max_new_tokens": 4}}})
+        team = Team.from_config(config.team, DigitSumGame(), seed=0)
+        assert len(switched) == calls  # one shared base under LoRA, a model per agent under full training
+        assert all(any(m is agent.model.get_base_model() if training == "lora" else m is agent.model
+                       for agent in team) for m in switched)
+    switched.clear()
+    team_module.load_base_model("tiny", DigitSumGame(), seed=0, dtype=torch.float32, device="meta")
+    assert switched == []

@@ -262,7 +262,7 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
     model = model.to(device=device, dtype=dtype)
-    if onednn_linear:
+    if onednn_linear and torch.device(device).type == "cpu":
         use_onednn_linears(model)
     return model, tokenizer
 
