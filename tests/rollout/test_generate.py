@@ -361,3 +361,25 @@ def test_sampler_draws_from_the_filtered_policy_and_records_the_tempered_logprob
     assert frequencies[expected == 0].sum() == 0
     torch.testing.assert_close(frequencies, expected, atol=0.03, rtol=0)
     torch.testing.assert_close(torch.stack(recorded), torch.log_softmax(tempered, -1).gather(1, draws.T).T)
+
+
+def test_a_sliding_window_model_keeps_the_dynamic_cache_and_samples_what_training_scores(monkeypatch):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import teamrl.rollout.generate as generate_module
+
+    tokenizer = tiny_tokenizer(WORDS)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None))
+    agent = Agent(name="a", model=model, tokenizer=tokenizer, sampling=SamplingConfig(max_new_tokens=5))
+    caches = []
+    repeated = generate_module._repeated_preallocated
+    monkeypatch.setattr(generate_module, "_repeated_preallocated",
+                        lambda *args: caches.append(repeated(*args)) or caches[-1])
+    gen = generate(agent, PROMPTS[:2], 3, seed=1)
+    assert [type(c).__name__ for c in caches] == ["DynamicCache"]  # no static layer type for a sliding window
+    trained = token_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    on = gen.completion_mask.bool()
+    torch.testing.assert_close(gen.sampling_logprobs[on], trained[on].detach(), atol=1e-4, rtol=0)
