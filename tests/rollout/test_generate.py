@@ -7,6 +7,8 @@ token inside the prompt (chat templates end every turn with it) truncates nothin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -203,7 +205,8 @@ def test_padding_and_post_eos_tokens_get_exactly_zero_gradient(aggregation, kl_c
     assert sum(g.abs().sum() for g in grads.values()) > 0
 
     # embedding gradient: exactly 0 on prompt padding and post-EOS positions
-    attention = torch.cat([prompt_mask, mask], dim=1)
+    # (the last completion token is never an input: nothing is trained on what it would predict)
+    attention = torch.cat([prompt_mask, mask[:, :-1]], dim=1)
     assert embed_grad.shape[:2] == attention.shape
     assert (embed_grad[attention == 0] == 0).all()
     # ...and not trivially 0: every row's real prompt tokens (EOS-terminated ones too) carry gradient
@@ -283,6 +286,78 @@ def test_lora_team_samples_in_one_call_and_each_row_is_its_own_adapters(tiny_con
             own = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
         on = gen.completion_mask.bool()
         torch.testing.assert_close(gen.sampling_logprobs[on], own[on], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7)])
+def test_chosen_logprobs_equal_log_softmax_gather_in_value_and_gradient(dtype, temperature, monkeypatch):
+    from teamrl.rollout.generate import _ChosenLogProbs
+
+    monkeypatch.setattr(_ChosenLogProbs, "BLOCK_BYTES", 3 * 4 * 50)  # 3 rows of 50 logits: 5 blocks, the last short
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 7, 50, generator=gen) * 4).to(dtype)
+    tokens = torch.randint(0, 50, (2, 7), generator=gen)
+    weights = torch.randn(2, 7, generator=gen)
+    ours = logits.clone().requires_grad_()
+    chosen = _ChosenLogProbs.apply(ours, tokens, temperature)
+    (chosen * weights).sum().backward()
+    reference = logits.clone().requires_grad_()
+    expected = torch.log_softmax(reference.float() / temperature, dim=-1).gather(2, tokens[..., None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    assert chosen.dtype == torch.float32 and ours.grad.dtype == dtype
+    torch.testing.assert_close(chosen, expected, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.grad, reference.grad, atol=tolerance, rtol=tolerance)
+
+
+def test_completions_of_one_token_are_scored():
+    model, tokenizer = tiny_model_and_tokenizer(WORDS, seed=0)
+    prompt_ids, prompt_mask, completion_ids = hand_batch(tokenizer.get_vocab())
+    one = completion_ids[:, :1]
+    full = token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, [EOS]))
+    for rows in (torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1])):  # distinct prompts, then a shared one
+        first = token_logprobs(model, prompt_ids[rows], prompt_mask[rows], one[rows], torch.ones_like(one[rows]))
+        assert first.shape == (3, 1)
+        torch.testing.assert_close(first, full[rows, :1], atol=1e-5, rtol=0)
+
+
+def test_training_forward_runs_the_active_adapter_as_peft_does(tiny_config):
+    """token_logprobs adds the active adapter itself (fused low-rank update): same log-probs and gradients
+    as PEFT's own LoRA forward, PEFT's forward back afterwards, and a disabled adapter stays disabled."""
+    import teamrl.rollout.generate as generate_module
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    agent = team[1]
+    agent.activate()
+    model = agent.model
+    ids = torch.randint(3, 15, (4, 9))
+    batch = (ids[:, :5], torch.ones(4, 5, dtype=torch.long), ids[:, 5:], torch.ones(4, 4, dtype=torch.long))
+    weights = torch.randn(4, 4)
+
+    def run(fused: bool):
+        model.zero_grad(set_to_none=True)
+        if fused:
+            logprobs = token_logprobs(model, *batch, temperature=0.7)
+        else:
+            with contextlib.ExitStack() as stack:  # PEFT's forward: the fused path switched off
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    generate_module, "_active_adapter_fused", lambda model: contextlib.nullcontext())
+                logprobs = token_logprobs(model, *batch, temperature=0.7)
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fused, fused_grads = run(fused=True)
+    peft, peft_grads = run(fused=False)
+    assert set(fused_grads) == set(peft_grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(agent.adapter in n for n in fused_grads)  # only the active adapter trains
+    torch.testing.assert_close(fused, peft, atol=1e-5, rtol=0)
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert not any("forward" in vars(module) for module in model.modules())  # PEFT's forward is back
+    with torch.no_grad(), agent.reference() as reference:
+        base = token_logprobs(reference, *batch)
+        with model.disable_adapter():
+            torch.testing.assert_close(base, token_logprobs(model.get_base_model(), *batch))
+    assert not torch.allclose(base, fused)
 
 
 def _lora_team_with_distinct_adapters(tiny_config, **team):

@@ -15,6 +15,7 @@ process would).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -235,19 +236,13 @@ class _RowAdapters:
     @classmethod
     def build(cls, model: torch.nn.Module, adapter_names: Sequence[str]) -> _RowAdapters:
         """The adapters named in ``adapter_names``, stacked per layer of ``model`` (or left to PEFT)."""
-        from peft.tuners.lora.layer import Linear as LoraLinear
-        from peft.tuners.lora.layer import LoraLayer
-
         names = list(dict.fromkeys(adapter_names))
-        layers = []
-        for module in model.modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            if type(module) is not LoraLinear or getattr(module, "lora_variant", None) or any(n not in module.lora_A for n in names):
-                return cls(model)  # not a plain LoRA linear layer: PEFT routes every layer
-            stacked_a = torch.cat([module.lora_A[n].weight for n in names])
-            stacked_b = torch.cat([module.lora_B[n].weight * module.scaling[n] for n in names], dim=1)
-            layers.append((module, stacked_a, stacked_b))
+        modules = _plain_lora_layers(model, names)
+        if modules is None:
+            return cls(model)  # not a plain LoRA linear layer: PEFT routes every layer
+        layers = [(module, torch.cat([module.lora_A[n].weight for n in names]),
+                   torch.cat([module.lora_B[n].weight * module.scaling[n] for n in names], dim=1))
+                  for module in modules]
         return cls(model, names, layers)
 
     @contextlib.contextmanager
@@ -276,9 +271,64 @@ class _RowAdapters:
 
     def _hook(self, stacked_a: torch.Tensor, stacked_b: torch.Tensor):
         def add_adapters(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            x = args[0].to(stacked_a.dtype)
-            return output + (((x @ stacked_a.T) * self._mask) @ stacked_b.T).to(output.dtype)
+            return _add_low_rank(output, args[0], stacked_a, stacked_b, self._mask)
         return add_adapters
+
+
+def _plain_lora_layers(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
+    """Every LoRA layer of ``model``, or None where one is not a plain linear A/B pair for each of
+    ``names`` (DoRA and other variants, embeddings, convolutions: PEFT's own forward then runs them)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    if any(type(module) is not LoraLinear or getattr(module, "lora_variant", None)
+           or any(n not in module.lora_A for n in names) for module in layers):
+        return None
+    return layers
+
+
+def _add_low_rank(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  multiplier: torch.Tensor | float) -> torch.Tensor:
+    """``output + ((x @ A.T) * multiplier) @ B.T``: the multiplier scales the rank-r product and the sum is
+    fused into the second matmul (addmm), where PEFT's ``base(x) + B(A(x)) * scaling`` makes two more
+    passes over the output-sized tensor (and one more in the backward): on 2 CPU cores those
+    element-wise passes over (tokens x 1536) outputs cost more than the adapter's matmuls themselves."""
+    low = (x.to(lora_a.dtype) @ lora_a.T) * multiplier
+    if output.dtype != low.dtype:
+        return output + (low @ lora_b.T).to(output.dtype)
+    flat, low = output.reshape(-1, output.shape[-1]), low.reshape(-1, low.shape[-1])
+    if not torch.is_grad_enabled():  # nothing else holds the base's fresh output: add in place
+        return flat.addmm_(low, lora_b.T).view(output.shape)
+    return torch.addmm(flat, low, lora_b.T).view(output.shape)
+
+
+def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A plain LoRA layer's forward through adapter ``name``, by :func:`_add_low_rank`."""
+    return _add_low_rank(layer.base_layer(x, *args, **kwargs), layer.lora_dropout[name](x),
+                         layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+
+
+@contextlib.contextmanager
+def _active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
+    """While open, each LoRA layer of ``model`` runs its one active adapter by :func:`_base_and_adapter`
+    instead of PEFT's forward: the same function and gradients, with fewer passes over the layers'
+    outputs. Models without plain LoRA layers, with several active adapters or with adapters disabled
+    run as they are."""
+    from peft import PeftModel
+
+    active = model.active_adapters if isinstance(model, PeftModel) else []
+    layers = _plain_lora_layers(model, active) if len(active) == 1 else None
+    if not layers or any(layer.disable_adapters or layer.merged for layer in layers):
+        yield
+        return
+    for layer in layers:
+        layer.forward = functools.partial(_base_and_adapter, layer, active[0])
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
@@ -392,20 +442,24 @@ def token_logprobs(
     runs once, its key/value cache is copied to its rows (differentiably, so the prompt's gradient is
     the sum over its rows, as in G separate passes), and only the completions run per row. With
     prompts much longer than completions this is close to G times less work.
+
+    The last completion token is never fed to the model (nothing is trained on what it predicts), so the
+    logits computed are exactly the ones scored: no (tokens x vocabulary) slice or copy of them is made.
     """
     unique_prompts, row_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0,
                                               return_inverse=True)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     num_prompt, num_completion = prompt_ids.shape[1], completion_ids.shape[1]
-    if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
-        logits = model(
-            input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=num_completion + 1,
-        ).logits[:, :-1]
-    else:
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with _active_adapter_fused(model):
+        if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
+            logits = model(
+                input_ids=torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=num_completion,
+            ).logits
+            return _ChosenLogProbs.apply(logits, completion_ids, temperature)
         prefix = model(
             input_ids=unique_prompts[:, :num_prompt],
             attention_mask=unique_prompts[:, num_prompt:],
@@ -413,23 +467,65 @@ def token_logprobs(
             use_cache=True,
             logits_to_keep=1,  # the prompt's last position predicts the first completion token
         )
+        first = _ChosenLogProbs.apply(prefix.logits[row_prompt], completion_ids[:, :1], temperature)
+        if num_completion == 1:
+            return first
         cache = prefix.past_key_values
         cache.reorder_cache(row_prompt)
-        logits = torch.cat([
-            prefix.logits[row_prompt],
-            model(
-                input_ids=completion_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids[:, num_prompt:],
-                past_key_values=cache,
-                logits_to_keep=num_completion,
-            ).logits[:, :-1],
-        ], dim=1)
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # One fused kernel each way: half the time of gather - logsumexp over a 49k vocabulary (4 x 64 tokens).
-    return torch.log_softmax(logits, dim=-1).gather(2, completion_ids.unsqueeze(-1)).squeeze(-1)
+        rest = model(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, num_prompt:],
+            past_key_values=cache,
+            logits_to_keep=num_completion - 1,
+        ).logits
+        return torch.cat([first, _ChosenLogProbs.apply(rest, completion_ids[:, 1:], temperature)], dim=1)
+
+
+class _ChosenLogProbs(torch.autograd.Function):
+    """``log_softmax(logits / temperature).gather(-1, tokens)``, a few rows of logits at a time.
+
+    The (tokens x vocabulary) log-softmax is never held, and the backward writes
+    ``(one_hot - softmax) * grad / temperature`` straight into the logits' gradient. Autograd's
+    log_softmax + gather would allocate the log-softmax, a zero-filled gradient for the gather and the
+    log-softmax's own gradient: three passes over ~50 MB per 4 x 64 completion tokens on a 49k
+    vocabulary, each slower on 2 CPU cores than the whole of this.
+    """
+
+    #: About 4 MB of float32 logits at a time, so that each block's passes stay in cache.
+    BLOCK_BYTES = 4 << 20
+
+    @staticmethod
+    def _blocks(flat: torch.Tensor) -> Iterator[slice]:
+        rows = max(1, _ChosenLogProbs.BLOCK_BYTES // (4 * flat.shape[-1]))
+        return (slice(start, start + rows) for start in range(0, flat.shape[0], rows))
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        flat, index = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        chosen = torch.empty(index.shape, dtype=torch.float32, device=logits.device)
+        log_normalizer = torch.empty_like(chosen)  # logsumexp of each row of logits / temperature
+        for block in _ChosenLogProbs._blocks(flat):
+            scaled = flat[block].float() / temperature
+            chosen[block] = torch.log_softmax(scaled, dim=-1).gather(1, index[block])
+            log_normalizer[block] = scaled.gather(1, index[block]) - chosen[block]
+        ctx.save_for_backward(logits, tokens, log_normalizer)
+        ctx.temperature = temperature
+        return chosen.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, tokens, log_normalizer = ctx.saved_tensors
+        flat, index = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        grad = grad.reshape(-1, 1).float() / ctx.temperature
+        grad_logits = torch.empty_like(flat)
+        for block in _ChosenLogProbs._blocks(flat):
+            out = grad_logits[block] if flat.dtype == torch.float32 else None
+            softmax = torch.div(flat[block].float(), ctx.temperature, out=out).sub_(log_normalizer[block]).exp_()
+            block_grad = softmax.mul_(-grad[block]).scatter_add_(1, index[block], grad[block])
+            if out is None:
+                grad_logits[block] = block_grad
+        return grad_logits.view(logits.shape), None, None
 
 
 def _first_rows(row_group: torch.Tensor, num_groups: int) -> torch.Tensor:
