@@ -506,7 +506,7 @@ class _ChosenLogProbs(torch.autograd.Function):
         chosen = torch.empty(index.shape, dtype=torch.float32, device=logits.device)
         log_normalizer = torch.empty_like(chosen)  # logsumexp of each row of logits / temperature
         for block in _ChosenLogProbs._blocks(flat):
-            scaled = flat[block].float() / temperature
+            scaled = flat[block].float() if temperature == 1.0 else flat[block].float() / temperature
             chosen[block] = torch.log_softmax(scaled, dim=-1).gather(1, index[block])
             log_normalizer[block] = scaled.gather(1, index[block]) - chosen[block]
         ctx.save_for_backward(logits, tokens, log_normalizer)
@@ -521,7 +521,11 @@ class _ChosenLogProbs(torch.autograd.Function):
         grad_logits = torch.empty_like(flat)
         for block in _ChosenLogProbs._blocks(flat):
             out = grad_logits[block] if flat.dtype == torch.float32 else None
-            softmax = torch.div(flat[block].float(), ctx.temperature, out=out).sub_(log_normalizer[block]).exp_()
+            if ctx.temperature == 1.0:
+                shifted = torch.sub(flat[block].float(), log_normalizer[block], out=out)
+            else:
+                shifted = torch.div(flat[block].float(), ctx.temperature, out=out).sub_(log_normalizer[block])
+            softmax = shifted.exp_()
             block_grad = softmax.mul_(-grad[block]).scatter_add_(1, index[block], grad[block])
             if out is None:
                 grad_logits[block] = block_grad
