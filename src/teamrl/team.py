@@ -26,6 +26,7 @@ from torch import nn
 
 from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
+from teamrl.models.attention import use_grouped_attention
 from teamrl.models.onednn import use_onednn_linears
 
 if TYPE_CHECKING:
@@ -262,8 +263,10 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
     model = model.to(device=device, dtype=dtype)
-    if onednn_linear and torch.device(device).type == "cpu":
-        use_onednn_linears(model)
+    if torch.device(device).type == "cpu":
+        use_grouped_attention(model)
+        if onednn_linear:
+            use_onednn_linears(model)
     return model, tokenizer
 
 

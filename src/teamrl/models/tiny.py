@@ -35,18 +35,20 @@ def tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
+    num_key_value_heads: int | None = None,
     max_positions: int = 256,
     pad_token_id: int = 0,
     eos_token_id: int = 1,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama with the given size; the same seed gives the same weights."""
+    """A randomly initialised Llama with the given size (``num_key_value_heads``: fewer than ``num_heads`` for
+    grouped-query attention; as many by default); the same seed gives the same weights."""
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_key_value_heads or num_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=pad_token_id,

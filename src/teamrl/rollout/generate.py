@@ -27,6 +27,7 @@ from transformers import (Cache, LogitsProcessor, LogitsProcessorList, PreTraine
                           TopKLogitsWarper, TopPLogitsWarper)
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
+from teamrl.models.attention import SharedPrefixCache, attending_through, shares_prefixes
 from teamrl.models.onednn import packed_weights
 from teamrl.team import Agent, Team
 
@@ -146,7 +147,8 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     row_names = None if adapter_names is None else [name for name in adapter_names for _ in range(num_samples)]
     with packed_weights(agent.model, rows=prompt_ids.shape[0] * num_samples), seeded(seed, device):
         cache = _shared_prefill(agent, prompt_ids, prompt_mask, num_samples, rows, adapter_names)
-        with rows.route(row_names) as routing:
+        shared = attending_through(cache) if isinstance(cache, SharedPrefixCache) else contextlib.nullcontext()
+        with rows.route(row_names) as routing, shared:
             # Greedy decoding of the sampler's output: _Sampler has already drawn the token (see there why).
             out = agent.model.generate(
                 **routing,
@@ -175,9 +177,10 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
 def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                     rows: _RowAdapters, adapter_names: list[str] | None) -> Cache | None:
     """The key/value cache of every prompt but its last token, for ``num_samples`` rows per prompt: each
-    distinct prompt is prefilled once and its samples get copies, where ``generate()`` would prefill the
-    same prompt ``num_samples`` times; ``generate()`` then only runs the last prompt token. None where
-    there is nothing to share."""
+    distinct prompt is prefilled once, where ``generate()`` would prefill the same prompt ``num_samples``
+    times; ``generate()`` then only runs the last prompt token. The rows share each prompt's keys and
+    values (:class:`~teamrl.models.attention.SharedPrefixCache`) where the model can attend that way,
+    else get copies of them. None where there is nothing to share."""
     if num_samples == 1 or prompt_ids.shape[1] == 1:
         return None
     with rows.route(adapter_names) as routing:
@@ -189,6 +192,8 @@ def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.T
             logits_to_keep=1,
             **routing,
         ).past_key_values
+    if shares_prefixes(agent.model) and all(type(layer) is DynamicLayer for layer in cache.layers):
+        return SharedPrefixCache(cache, prompt_mask[:, :-1], num_samples, agent.sampling.max_new_tokens)
     return _repeated_preallocated(cache, num_samples, agent.model.config,
                                   prompt_ids.shape[1] + agent.sampling.max_new_tokens)
 
