@@ -192,7 +192,7 @@ def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.T
             logits_to_keep=1,
             **routing,
         ).past_key_values
-    if shares_prefixes(agent.model) and all(type(layer) is DynamicLayer for layer in cache.layers):
+    if shares_prefixes(agent.model, cache):
         return SharedPrefixCache(cache, prompt_mask[:, :-1], num_samples, agent.sampling.max_new_tokens)
     return _repeated_preallocated(cache, num_samples, agent.model.config,
                                   prompt_ids.shape[1] + agent.sampling.max_new_tokens)
