@@ -152,7 +152,7 @@ def test_generate_samples_the_same_tokens_behind_shared_prompts(monkeypatch):
     monkeypatch.setattr(generate_module, "_shared_prefill", recording_prefill)
     shared = generate_module.generate(agent, prompts, num_samples=3, seed=5)
     assert isinstance(caches[-1], SharedPrefixCache)
-    monkeypatch.setattr(generate_module, "shares_prefixes", lambda model: False)
+    monkeypatch.setattr(generate_module, "shares_prefixes", lambda *args: False)
     copied = generate_module.generate(agent, prompts, num_samples=3, seed=5)
     assert not isinstance(caches[-1], SharedPrefixCache)
     assert torch.equal(shared.completion_ids, copied.completion_ids)
