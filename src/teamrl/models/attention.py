@@ -157,11 +157,12 @@ class SharedPrefixCache(Cache):
             causal = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
             causal = causal.masked_fill_(~visible, torch.finfo(query.dtype).min).repeat(groups, 1)[None, None]
         own_out, own_lse = _flash_with_lse(by_row, keys, values, attn_mask=causal, scale=scaling)
-        # softmax over both parts = each part's softmax weighted by its share of the total exp-sum
+        # softmax over both parts = each part's softmax weighted by its share of the total exp-sum (the
+        # kernel's log-sum-exps are float32 whatever the model's dtype; the output goes back to it)
         total = torch.logaddexp(prompt_lse, own_lse)
         out = (prompt_out * (prompt_lse - total).exp_().unsqueeze(-1)
                + own_out * (own_lse - total).exp_().unsqueeze(-1))
-        out = out.reshape(rows, heads, num_queries, head_dim)
+        out = out.to(query.dtype).reshape(rows, heads, num_queries, head_dim)
         return out.transpose(1, 2).contiguous(), None
 
 
