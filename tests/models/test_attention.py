@@ -61,6 +61,38 @@ def test_grouped_attention_matches_sdpa_in_values_and_gradients():
         torch.testing.assert_close(grad, ref_grad, **TOL)
 
 
+def test_bfloat16_training_passes_attend_in_float32(monkeypatch):
+    """A bfloat16 model's passes with gradients attend in float32 (torch's bfloat16 CPU backward is the
+    slower one) and give sdpa's bfloat16 values and gradients up to bfloat16 rounding; passes without
+    gradients (decoding) stay in bfloat16."""
+    reference, grouped = _gqa_pair()
+    reference.to(torch.bfloat16), grouped.to(torch.bfloat16)
+    kernel_dtypes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        kernel_dtypes.append(args[0].dtype)
+        return sdpa(*args, **kwargs)
+
+    ids, mask = _left_padded([9, 4, 7], width=9)
+    results = []
+    for model in (reference, grouped):
+        if model is grouped:
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        (logits.float() * mask[..., None]).square().sum().backward()
+        results.append((logits, [p.grad.float() for p in model.parameters()]))
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert logits.dtype == torch.bfloat16 and kernel_dtypes == [torch.float32] * 2
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], ref_logits[real], **BF16_TOL)
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert (grad - ref_grad).norm() <= 0.02 * ref_grad.norm() + 1e-6, ((grad - ref_grad).norm() / ref_grad.norm()).item()
+    with torch.no_grad():
+        grouped(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    assert kernel_dtypes[2:] == [torch.bfloat16] * 2
+
+
 def test_grouped_attention_runs_the_grouped_kernel_on_masked_passes(monkeypatch):
     _, grouped = _gqa_pair()
     calls = []
