@@ -74,6 +74,9 @@ class RunSpec:
     eval_before: bool = True
     threads: int | None = None
     """torch intra-op threads in both workers (None: torch's default, one per core)."""
+    dtype: str = "float32"
+    """Parameter dtype of every model on both sides ("float32" or "bfloat16"). teamrl keeps LoRA adapters
+    and optimiser state in float32 whatever this is; CoMLRL (full fine-tuning) trains in this dtype."""
     teamrl_training: str = "full"
     """teamrl's training mode: "full" (the matched work) or "lora" (teamrl's default, which CoMLRL lacks:
     one adapter per agent on one shared frozen base; then the libraries no longer do identical work)."""
@@ -120,7 +123,7 @@ def teamrl_config(spec: RunSpec, model_dir: str, run_dir: str) -> dict[str, Any]
                          "top_p": spec.top_p, "top_k": spec.top_k},
             "agents": [{"name": name} for name in AGENT_NAMES],
             "use_chat_template": True,
-            "dtype": "float32",
+            "dtype": spec.dtype,
         },
         "algorithm": {
             "num_generations": spec.num_generations,
@@ -174,6 +177,11 @@ def comlrl_config(spec: RunSpec) -> dict[str, Any]:
         "advantage_normalization": False,
         "reference_kl_enabled": False,
     }
+
+
+def comlrl_model_config(spec: RunSpec) -> dict[str, Any]:
+    """CoMLRL's ``model_config`` (how it loads each agent's model) for ``spec``: the same dtype as teamrl's."""
+    return {"dtype": spec.dtype}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,6 +348,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per worker (default: one per core). On a CPU other jobs share, "
                              "1 avoids threads spinning on busy cores, which can slow both libraries several-fold")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="parameter dtype of both libraries' models (bfloat16 pays off on CPUs with "
+                             "bf16 units, e.g. AVX512-BF16 or AMX)")
     parser.add_argument("--teamrl-training", choices=["full", "lora"], nargs="+", default=["full"],
                         help="teamrl's entrants: full (CoMLRL's work exactly, default) and/or lora (teamrl's "
                              "default; CoMLRL still fine-tunes fully, so that row is no longer identical work)")
@@ -364,6 +375,7 @@ def spec_from_args(args: argparse.Namespace, turns: int, repeat: int) -> RunSpec
     return RunSpec(turns=turns, steps=args.steps, items=args.items, num_generations=args.num_generations,
                    max_new_tokens=args.max_new_tokens, lr=args.lr, seed=args.seed + repeat,
                    eval_items=args.eval_items, eval_samples=args.eval_samples, threads=args.threads,
+                   dtype=args.dtype,
                    # Before training both sides hold the same weights, and the evaluation is seeded on
                    # its own: one pre-training evaluation per configuration is enough.
                    eval_before=repeat == 0)
@@ -391,7 +403,8 @@ def write_report(args: argparse.Namespace, versions: dict[str, str], work_dir: P
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), **versions},
         "settings": {**vars(args), "out": str(args.out), "work_dir": str(work_dir)},
-        "configs": {f"{turns}-turn": {entrant: comlrl_config(spec) if library == "comlrl"
+        "configs": {f"{turns}-turn": {entrant: {**comlrl_config(spec), "model_config": comlrl_model_config(spec)}
+                                      if library == "comlrl"
                                       else teamrl_config(spec, "<bundled model>", "<tmp>")
                                       for entrant, library, spec in entrants(args, spec_from_args(args, turns, 0))}
                     for turns in args.turns},

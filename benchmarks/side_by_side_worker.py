@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from comlrl_side_by_side import AGENT_NAMES, RunSpec, comlrl_config, joint_actions_per_step, teamrl_config
+from comlrl_side_by_side import (AGENT_NAMES, RunSpec, comlrl_config, comlrl_model_config, joint_actions_per_step,
+                                 teamrl_config)
 from teamrl.config import config_from_dict
 from teamrl.envs.base import Item, Step
 from teamrl.envs.writing import TldrEnv
@@ -249,7 +250,7 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
         agent_model=str(model_dir),
         num_agents=len(AGENT_NAMES),
         tokenizer=tokenizer,
-        model_config={"dtype": "float32"},
+        model_config=comlrl_model_config(spec),
         train_dataset=[record(item) for item in training_items(env, spec)],
         reward_func=reward,
         formatters=formatters,

@@ -89,6 +89,17 @@ def test_a_lora_entrant_gets_its_own_rows_and_ratio(harness):
     assert "| 1-turn | teamrl (LoRA) / CoMLRL |  | 0.25x |" in table[6]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_both_libraries_load_their_models_in_the_same_dtype(harness, dtype, tmp_path):
+    args = harness.parse_args(["--out", "x.json", "--teamrl-training", "full", "lora"]
+                              + ([] if dtype == "float32" else ["--dtype", dtype]))
+    for _, library, spec in harness.entrants(args, harness.spec_from_args(args, 2, 0)):
+        if library == "comlrl":
+            assert harness.comlrl_model_config(spec) == {"dtype": dtype}
+        else:
+            assert config_from_dict(harness.teamrl_config(spec, str(tmp_path), str(tmp_path))).team.dtype == dtype
+
+
 def test_joint_actions_count_every_turn_of_the_aligned_tree(harness):
     assert harness.joint_actions_per_step(harness.RunSpec(turns=1, items=2, num_generations=4)) == 8
     assert harness.joint_actions_per_step(harness.RunSpec(turns=2, items=2, num_generations=4)) == 2 * (4 + 16)
