@@ -109,13 +109,18 @@ class TeamConfig:
         True,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _doc(
-        "Parameter dtype. float32 is fastest on CPUs without bf16 units.", "float32"
+        "Dtype of the base model's weights. With training='lora' the adapters and their optimiser state stay "
+        "float32 whatever this is; with 'full' every weight is trained in this dtype (bfloat16 rounds away "
+        "updates below ~0.4% of a weight, so keep float32 there). bfloat16 pays off on CPUs with bf16 "
+        "units (AVX512-BF16, AMX: the main job's step 30% shorter, see docs/performance.md) and on GPUs; CPUs "
+        "without them run it much slower than float32.", "float32"
     )
     device: str = _doc("Torch device for every agent ('cpu', 'cuda', 'cuda:1', ...).", "cpu")
     onednn_linear: bool = _doc(
-        "On CPU, run float32 linear layers (those with at least 2^18 weights) through oneDNN instead of MKL: "
-        "the same float32 arithmetic, 1.3-2x faster GEMMs at LLM shapes (see docs/performance.md). No effect "
-        "on other devices or dtypes, or where torch has no oneDNN.",
+        "On CPU, run float32 and bfloat16 linear layers (those with at least 2^18 weights) through oneDNN's "
+        "linear kernel: float32 instead of MKL (the same arithmetic, 1.3-2x faster GEMMs at LLM shapes), "
+        "bfloat16 without torch.matmul's per-sequence weight copies on sliced inputs (see "
+        "docs/performance.md). No effect on other devices or dtypes, or where torch has no oneDNN.",
         True,
     )
 

@@ -68,8 +68,8 @@ def load_model_and_tokenizer(
     - an existing ``.gguf`` file (dequantised to dense weights; needs the ``gguf`` package);
     - otherwise a Hugging Face hub id, served from the local hub cache or downloaded.
 
-    ``dtype`` is ``"float32"`` (default, and what teamrl's CPU kernels are tuned for; CPUs without bf16
-    units run bfloat16 much slower), ``"bfloat16"`` or ``"float16"``.
+    ``dtype`` is ``"float32"`` (default), ``"bfloat16"`` (faster on CPUs with bf16 units such as
+    AVX512-BF16 or AMX, much slower on CPUs without) or ``"float16"``.
     ``trust_remote_code`` is passed to transformers for directories and hub ids with custom code.
     The tokenizer is prepared by :func:`prepare_tokenizer`.
 
