@@ -75,8 +75,9 @@ class RunSpec:
     threads: int | None = None
     """torch intra-op threads in both workers (None: torch's default, one per core)."""
     dtype: str = "float32"
-    """Parameter dtype of every model on both sides ("float32" or "bfloat16"). teamrl keeps LoRA adapters
-    and optimiser state in float32 whatever this is; CoMLRL (full fine-tuning) trains in this dtype."""
+    """Parameter dtype of every model on both sides ("float32" or "bfloat16"). teamrl's LoRA adapters and
+    their optimiser state stay float32 whatever this is; full fine-tuning (CoMLRL's only mode) trains every
+    weight in this dtype."""
     teamrl_training: str = "full"
     """teamrl's training mode: "full" (the matched work) or "lora" (teamrl's default, which CoMLRL lacks:
     one adapter per agent on one shared frozen base; then the libraries no longer do identical work)."""

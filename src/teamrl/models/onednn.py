@@ -78,8 +78,8 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 class OneDnnLinear(nn.Linear):
     """An ``nn.Linear`` whose float32 and bfloat16 CPU forward and backward run on oneDNN's linear kernel
     (see the module docstring). Anything else (another device or dtype, mixed dtypes, autocast) runs as a
-    plain ``nn.Linear``; parameters, state
-    dict and ``isinstance`` checks (PEFT's, for LoRA) are those of ``nn.Linear``."""
+    plain ``nn.Linear``; parameters, state dict and ``isinstance`` checks (PEFT's, for LoRA) are those of
+    ``nn.Linear``."""
 
     packed_weight: torch.Tensor | None = None
     """The weight in oneDNN's blocked layout, while :func:`packed_weights` holds it (gradient-free passes only)."""
