@@ -16,7 +16,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import SamplingConfig
 from teamrl.envs.digit_sum import DigitSumGame
 from teamrl.models.tiny import tiny_model_and_tokenizer, tiny_tokenizer
-from teamrl.rollout.generate import completion_mask, generate, token_logprobs
+from teamrl.rollout.generate import PromptGraphBudget, completion_mask, generate, token_logprobs
 from teamrl.team import Agent
 
 WORDS = [str(d) for d in range(10)] + "target first second partner you hits nothing".split()
@@ -468,3 +468,136 @@ def test_a_sliding_window_model_keeps_the_dynamic_cache_and_samples_what_trainin
     trained = token_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
     on = gen.completion_mask.bool()
     torch.testing.assert_close(gen.sampling_logprobs[on], trained[on].detach(), atol=1e-4, rtol=0)
+
+
+def _team_prompts(trainer_team, count: int = 3):
+    from teamrl.envs.digit_sum import DigitSumGame
+
+    env = DigitSumGame(targets=[9], length=4)
+    observations = [env.observe(item) for item in env.items("train")[:count]]
+    return [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(trainer_team)]
+
+
+@pytest.mark.parametrize("training", ["lora", "full"])
+def test_prompt_graphs_give_the_logprobs_and_gradients_of_a_fresh_pass(tiny_config, training):
+    from teamrl.rollout.generate import generate_team
+    from teamrl.train import Trainer
+
+    if training == "lora":
+        team = _lora_team_with_distinct_adapters(tiny_config)
+    else:
+        team = Trainer(tiny_config(steps=1)).team
+    generations = generate_team(team, _team_prompts(team), 4, seed=3, prompt_graphs=PromptGraphBudget(1024))
+    for agent, gen in zip(team, generations):
+        assert gen.prompt_graphs is not None and len(gen.prompt_graphs) == 3
+        assert gen.rows(2, 6).prompt_graphs is None  # rows that split a prompt's samples: no graphs
+        assert gen.rows(4, 12).trimmed().prompt_graphs == gen.prompt_graphs[1:]
+        agent.activate()
+        agent.model.train()
+        inputs = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        weights = torch.randn(gen.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+
+        def run(graphs):
+            agent.model.zero_grad(set_to_none=True)
+            logprobs = token_logprobs(agent.model, *inputs, temperature=0.7, prompt_graphs=graphs)
+            (logprobs * weights * gen.completion_mask).sum().backward()
+            return logprobs.detach() * gen.completion_mask, [p.grad.clone() for p in agent.parameters]
+
+        fresh, fresh_grads = run(None)
+        kept, kept_grads = run(gen.prompt_graphs)
+        torch.testing.assert_close(kept, fresh, atol=1e-5, rtol=0)
+        assert all(g.abs().sum() > 0 for g in fresh_grads)
+        for kept_grad, fresh_grad in zip(kept_grads, fresh_grads):  # the same sums, in another order
+            assert float((kept_grad - fresh_grad).norm() / fresh_grad.norm()) < 1e-4
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            run(gen.prompt_graphs)  # the first backward freed them: a second use cannot go unnoticed
+        agent.model.eval()
+
+
+def test_an_update_from_prompt_graphs_equals_one_that_reruns_the_prompts(tiny_config):
+    from dataclasses import replace
+
+    from teamrl.algorithms import magrpo
+    from teamrl.train import Trainer
+
+    trainer = Trainer(tiny_config(steps=1, team={"training": "lora"}, algorithm={"num_generations": 4},
+                                  optim={"lr": 1e-2, "micro_batch_size": 4}))
+    config = trainer.config
+    with torch.no_grad():  # B != 0, so that every adapter weight gets a gradient
+        for agent in trainer.team:
+            for p in agent.parameters:
+                p.normal_(0, 0.1)
+    sample = magrpo.team_sampler(trainer.team, prompt_graphs=PromptGraphBudget(1024))
+    tree = magrpo.rollout(sample, trainer.env, trainer.items[:3], config.algorithm, seed=1)
+    per_agent, _ = magrpo.advantages(tree, 2, config.algorithm)
+    for i, agent in enumerate(trainer.team):
+        generations = [turn.generations[i] for turn in tree.turns]
+        assert all(gen.prompt_graphs for gen in generations)
+        before = [p.detach().clone() for p in agent.parameters]
+        optimizer_state = trainer.optimizers[i].state_dict()
+
+        def update(gens):
+            return magrpo.update_agent(agent, gens, per_agent[i], trainer.optimizers[i], trainer.schedulers[i],
+                                       config.algorithm, micro_batch_size=4)
+
+        kept_stats = update(generations)
+        kept_grads = [p.grad.clone() for p in agent.parameters]  # the update leaves its gradient behind
+        assert any(not torch.equal(p.detach(), b) for p, b in zip(agent.parameters, before))  # and moved
+        with torch.no_grad():
+            for p, value in zip(agent.parameters, before):
+                p.copy_(value)
+        trainer.optimizers[i].load_state_dict(optimizer_state)
+        fresh_stats = update([replace(gen, prompt_graphs=None) for gen in generations])
+        assert kept_stats["loss"] == pytest.approx(fresh_stats["loss"], abs=1e-6)
+        for kept_grad, p in zip(kept_grads, agent.parameters):
+            assert p.grad.norm() > 0 and float((kept_grad - p.grad).norm() / p.grad.norm()) < 1e-4
+
+
+def test_no_prompt_graphs_where_dropout_would_make_the_update_differ(tiny_config):
+    from teamrl.rollout.generate import generate_team
+
+    team = _lora_team_with_distinct_adapters(tiny_config, lora={"dropout": 0.1})
+    generations = generate_team(team, _team_prompts(team), 2, seed=0, prompt_graphs=PromptGraphBudget(1024))
+    assert all(gen.prompt_graphs is None for gen in generations)
+
+
+def test_prompt_graphs_stop_at_the_budget_and_the_rest_run_again(tiny_config):
+    from teamrl.rollout.generate import generate_team
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    prompts = _team_prompts(team)
+    unlimited = PromptGraphBudget(1024)
+    generate_team(team, prompts, 2, seed=0, prompt_graphs=unlimited)
+    per_token = unlimited.bytes_per_token
+    lengths = [len(team[0].tokenizer(p, add_special_tokens=False)["input_ids"]) - 1 for p in prompts[0]]
+    assert per_token > 0 and unlimited.bytes_left < 1024 * 2**20
+    # room for agent 0's first two prompts (and a little), not for a third
+    budget = PromptGraphBudget((per_token * (lengths[0] + lengths[1] + 0.5)) / 2**20)
+    team[1].activate()
+    first, second = generate_team(team, prompts, 2, seed=0, prompt_graphs=budget)
+    assert team[0].model.active_adapters == [team[1].adapter]  # as it was
+    assert [g is not None for g in first.prompt_graphs] == [True, True, False]
+    assert second.prompt_graphs is None and 0 <= budget.bytes_left < per_token * lengths[2]
+    assert first.rows(0, 4).prompt_graphs == first.prompt_graphs[:2] and first.rows(4, 6).prompt_graphs is None
+    # a batch with a prompt past the budget runs every prompt again, and gets the same log-probs
+    team[0].activate()
+    with torch.no_grad():
+        inputs = (first.prompt_ids, first.prompt_mask, first.completion_ids, first.completion_mask)
+        logprobs = token_logprobs(team[0].model, *inputs, temperature=team[0].sampling.temperature,
+                                  prompt_graphs=first.prompt_graphs)
+    torch.testing.assert_close(logprobs * inputs[3], first.sampling_logprobs, atol=1e-4, rtol=0)
+    none = generate_team(team, prompts, 2, seed=0, prompt_graphs=PromptGraphBudget(0))
+    assert all(gen.prompt_graphs is None for gen in none)
+
+
+def test_a_training_step_keeps_no_graph_past_it(tiny_config):
+    from teamrl.train import Trainer
+
+    trainer = Trainer(tiny_config(steps=1, team={"training": "lora"}, algorithm={"num_generations": 4}))
+    kept = []
+    real_update = trainer._update
+    trainer._update = lambda generations, *a: kept.append([g.prompt_graphs for gens in generations for g in gens]) \
+        or real_update(generations, *a)
+    trainer.train_step()
+    assert kept and all(graphs for graphs in kept[0])  # the update got them
+    assert all(gen.prompt_graphs is None for turn in trainer._last_tree.turns for gen in turn.generations)
