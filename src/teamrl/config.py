@@ -287,10 +287,10 @@ class RolloutConfig:
     )
     prompt_graph_mb: float = _doc(
         "transformers: memory (MB) a training step's sampling may keep in its prompts' autograd graphs, so "
-        "that the update continues from them instead of running those prompts again (the main job: ~1.3 s "
-        "of a ~19 s step for ~0.8 GB, ~1.2 MB per prompt token with SmolLM2-135M). Prompts past it run "
-        "again in the update. 0 = keep none. Not used with dropout, nor where the update splits a prompt's "
-        "samples over micro-batches.",
+        "that the update continues from them instead of running those prompts again (the main job's step: "
+        "x0.85 the time for ~1 GB, ~1.4 MB per prompt token with SmolLM2-135M). Prompts past it run again "
+        "in the update. 0 = keep none. Not kept with dropout, or where the update splits a prompt's samples "
+        "over micro-batches.",
         1024.0,
     )
 

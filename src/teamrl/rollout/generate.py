@@ -28,7 +28,7 @@ from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorL
                           StaticCache, TopKLogitsWarper, TopPLogitsWarper)
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from teamrl.models.attention import SharedPrefixCache, attending_through, full_attention_only, shares_prefixes
+from teamrl.models.attention import SharedPrefixCache, full_attention_only, attending_through, shares_prefixes
 from teamrl.models.onednn import packed_weights
 from teamrl.team import Agent, Team
 
@@ -69,7 +69,7 @@ class Generation:
                           self.completion_mask[start:stop], self.sampling_logprobs[start:stop],
                           self.texts[start:stop], self._graphs_of_rows(start, stop))
 
-    def _graphs_of_rows(self, start: int, stop: int) -> list[Cache | None] | None:
+    def _graphs_of_rows(self, start: int, stop: int) -> list[Cache] | None:
         """The prompt graphs of rows ``start:stop`` where those rows are whole prompts' samples, else None."""
         if not self.prompt_graphs:
             return None
@@ -216,8 +216,7 @@ def _prompt_graphs(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Te
 
     A training step samples and then updates on the same prompts under the same weights, so the update's
     forward pass over each prompt would repeat this prefill exactly: keeping its graph saves that pass (the
-    main job's step, SmolLM2-135M on 2 CPU cores: 1.3 s shorter, median of paired steps, for ~1.2 MB of
-    graph per prompt token).
+    main job's step took x0.85 the time, SmolLM2-135M on 2 CPU cores, at ~1.4 MB of graph per prompt token).
     One prompt per graph, because the update runs a prompt's samples as one micro-batch, and a graph is freed
     by the first backward through it.
     """
@@ -263,9 +262,7 @@ def _saved_bytes(model: torch.nn.Module) -> Iterator[list[int]]:
         if storage.data_ptr() not in held:
             held.add(storage.data_ptr())
             total[0] += storage.nbytes()
-        # Detached: a saved output handed back as itself would hold its own graph node, a reference cycle
-        # that nothing frees (the graph of every prompt whose update was skipped would stay).
-        return tensor.detach()
+        return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield total
