@@ -285,18 +285,8 @@ class RolloutConfig:
         "and restore them before the next rollout. Frees GPU memory for training at the cost of two copies.",
         False,
     )
-    prompt_graph_mb: float = _doc(
-        "transformers: memory (MB) a training step's sampling may keep in its prompts' autograd graphs, so "
-        "that the update continues from them instead of running those prompts again (the main job's step: "
-        "x0.85 the time for ~1 GB, ~1.4 MB per prompt token with SmolLM2-135M). Prompts past it run again "
-        "in the update. 0 = keep none. Not kept with dropout, or where the update splits a prompt's samples "
-        "over micro-batches.",
-        1024.0,
-    )
 
     def validate(self, path: str) -> None:
-        _check(self.prompt_graph_mb >= 0, f"{path}.prompt_graph_mb", "must be >= 0 (0 = keep no graphs)",
-               self.prompt_graph_mb)
         _check(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
                self.gpu_memory_utilization)
         _check(self.max_model_len >= 0, f"{path}.max_model_len", "must be >= 0 (0 = the model's limit)",

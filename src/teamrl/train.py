@@ -14,7 +14,6 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from teamrl.checkpoint import (AgentState, agent_state, latest_checkpoint, load_
                                save_checkpoint)
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
-from teamrl.rollout.generate import Generation, PromptGraphBudget, derive_seed, seeded
+from teamrl.rollout.generate import Generation, derive_seed, seeded
 from teamrl.team import Agent, Team
 
 if TYPE_CHECKING:
@@ -154,9 +153,7 @@ class Trainer:
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
         # Every draw of the step is seeded from (seed, step): a resumed run, or one whose agents live in
         # Ray actors, samples and updates exactly as this uninterrupted, single-process one.
-        sample = magrpo.team_sampler(self.team, prompt_graphs=PromptGraphBudget(config.rollout.prompt_graph_mb)) \
-            if isinstance(self.team, Team) else self.sample
-        tree = magrpo.rollout(sample, self.env, items, config.algorithm, seed=derive_seed(config.seed, self.step))
+        tree = magrpo.rollout(self.sample, self.env, items, config.algorithm, seed=derive_seed(config.seed, self.step))
         names = self.agent_names
         per_agent, returns = magrpo.advantages(tree, len(names), config.algorithm)
         metrics = magrpo.rollout_metrics(tree, returns, per_agent)
@@ -181,8 +178,6 @@ class Trainer:
             "time/step": time.perf_counter() - start,
             **memory_metrics(),
         })
-        for turn in tree.turns:  # graphs the update did not use (a group with zero advantages) go now
-            turn.generations = [replace(gen, prompt_graphs=None) for gen in turn.generations]
         self._last_tree = tree
         return metrics
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +31,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import Generation, PromptGraphBudget, derive_seed, generate_team, token_logprobs
+from teamrl.rollout.generate import Generation, derive_seed, generate_team, token_logprobs
 from teamrl.team import Agent, Team
 
 
@@ -75,15 +75,13 @@ tokens. :func:`team_sampler` samples a :class:`~teamrl.team.Team` in this proces
 :class:`~teamrl.distributed.RayTeam` samples in its agent actors."""
 
 
-def team_sampler(team: Team, *, prompt_graphs: PromptGraphBudget | None = None) -> SampleFn:
+def team_sampler(team: Team) -> SampleFn:
     """The :data:`SampleFn` of a team in this process: one batched generate call per agent (per base model,
-    when LoRA agents share one). ``prompt_graphs``: the generations keep their prompts' prefill graphs, as far
-    as this budget goes, and :func:`update_agent` continues from them (a training step's rollout: give each
-    step a sampler with a budget of its own)."""
+    when LoRA agents share one)."""
 
     def sample(observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         prompts = [[agent.prompt(o) for o in obs] for agent, obs in zip(team, observations)]
-        return generate_team(team, prompts, num_samples, seed=seed, prompt_graphs=prompt_graphs)
+        return generate_team(team, prompts, num_samples, seed=seed)
 
     return sample
 
@@ -171,12 +169,10 @@ def update_agent(
         loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
         for b, (gen, adv) in enumerate(batches):
             adv_rows = adv.to(gen.completion_ids.device)
-            # The sampling prefill's graphs hold for the first pass only (the weights change after it), once.
-            graphs, batches[b] = (gen.prompt_graphs if iteration == 0 else None), (replace(gen, prompt_graphs=None), adv)
             if not use_kl and not adv_rows.any():
                 continue  # a zero advantage contributes exactly zero gradient: skip the forward pass
             inputs = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
-            logprobs = token_logprobs(agent.model, *inputs, temperature=temperature, prompt_graphs=graphs)
+            logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
             if old_logprobs[b] is None:
                 # No update has happened yet in the first pass, so the current policy is the sampling one.
                 old_logprobs[b] = logprobs.detach()

@@ -96,10 +96,10 @@ def shares_prefixes(model: PreTrainedModel, prompt_cache: Cache | None = None) -
     :func:`grouped_sdpa_attention`, with torch's CPU flash-attention kernel) built from ``prompt_cache``
     (full-attention layers only: no sliding windows or states), where one is given."""
     return (model.config._attn_implementation == GROUPED_SDPA and _flash_with_lse is not None
-            and model.device.type == "cpu" and (prompt_cache is None or full_attention_only(prompt_cache)))
+            and model.device.type == "cpu" and (prompt_cache is None or _full_attention_only(prompt_cache)))
 
 
-def full_attention_only(cache: Cache) -> bool:
+def _full_attention_only(cache: Cache) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
@@ -127,7 +127,7 @@ class SharedPrefixCache(Cache):
     """
 
     def __init__(self, prompt_cache: Cache, prompt_mask: torch.Tensor, rows_per_prompt: int, max_new_positions: int):
-        if not full_attention_only(prompt_cache):
+        if not _full_attention_only(prompt_cache):
             raise ValueError("SharedPrefixCache: the prompt cache must hold only full-attention layers "
                              f"(got {sorted({type(layer).__name__ for layer in prompt_cache.layers})})")
         super().__init__(layers=[_RowsAfterSharedPrompt(layer.keys, layer.values, rows_per_prompt, max_new_positions)

@@ -19,16 +19,15 @@ import functools
 import hashlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
-from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase,
-                          StaticCache, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (Cache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
+                          TopKLogitsWarper, TopPLogitsWarper)
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from teamrl.models.attention import SharedPrefixCache, full_attention_only, attending_through, shares_prefixes
+from teamrl.models.attention import SharedPrefixCache, attending_through, shares_prefixes
 from teamrl.models.onednn import packed_weights
 from teamrl.team import Agent, Team
 
@@ -49,12 +48,6 @@ class Generation:
     """(B, C) log-prob of each sampled token under the temperature-scaled policy that sampled it (0 where masked)."""
     texts: list[str]
     """Decoded completions (special tokens dropped)."""
-    prompt_graphs: list[Cache | None] | None = None
-    """Only from ``generate(..., prompt_graphs=budget)``: for each prompt (``num_samples`` consecutive rows), the
-    keys and values of its real tokens but the last, as the sampling policy computed them, with the autograd
-    graph that computed them (None for a prompt past the budget). :func:`token_logprobs` continues from them
-    instead of running the prompts again; the first backward pass through a graph frees it, so use them once,
-    before the weights change."""
 
     @property
     def num_tokens(self) -> int:
@@ -67,35 +60,14 @@ class Generation:
         first = int(mask.any(dim=0).nonzero()[0]) if mask.any() else mask.shape[1]
         return Generation(self.prompt_ids[start:stop, first:], mask[:, first:], self.completion_ids[start:stop],
                           self.completion_mask[start:stop], self.sampling_logprobs[start:stop],
-                          self.texts[start:stop], self._graphs_of_rows(start, stop))
-
-    def _graphs_of_rows(self, start: int, stop: int) -> list[Cache] | None:
-        """The prompt graphs of rows ``start:stop`` where those rows are whole prompts' samples, else None."""
-        if not self.prompt_graphs:
-            return None
-        per_prompt = self.completion_ids.shape[0] // len(self.prompt_graphs)
-        if start % per_prompt or stop % per_prompt:
-            return None
-        graphs = self.prompt_graphs[start // per_prompt:stop // per_prompt]
-        return graphs if any(graph is not None for graph in graphs) else None
+                          self.texts[start:stop])
 
     def trimmed(self) -> Generation:
         """The same rows without the completion positions after every row's end (they are never trained,
         and a forward pass over them is wasted work)."""
         width = int(self.completion_mask.sum(dim=1).max()) if self.completion_mask.numel() else 0
         return Generation(self.prompt_ids, self.prompt_mask, self.completion_ids[:, :width],
-                          self.completion_mask[:, :width], self.sampling_logprobs[:, :width], self.texts,
-                          self.prompt_graphs)
-
-
-class PromptGraphBudget:
-    """Memory that the sampling passes of one training step may hold in their prompts' autograd graphs
-    (:attr:`Generation.prompt_graphs`), drawn down by each ``generate`` call it is given, in turn."""
-
-    def __init__(self, megabytes: float):
-        self.bytes_left = int(megabytes * 2**20)
-        self.bytes_per_token: float | None = None
-        """What a prompt token's graph held, as first measured (for deciding before computing the next)."""
+                          self.completion_mask[:, :width], self.sampling_logprobs[:, :width], self.texts)
 
 
 class TeamSampler(Protocol):
@@ -153,15 +125,13 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch
 
 @torch.no_grad()
 def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None, *,
-             seed: int | None = None, prompt_graphs: PromptGraphBudget | None = None) -> Generation:
+             seed: int | None = None) -> Generation:
     """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
 
     ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
     same batch, each row through its own adapter (:class:`_RowAdapters`); ``agent`` then only
     supplies the tokenizer and sampling settings. ``seed``: sample from a stream of its own (see
-    :func:`seeded`) instead of torch's global one. ``prompt_graphs``: prefill each prompt with gradients
-    and keep the graphs, as far as this budget goes (:attr:`Generation.prompt_graphs`, see
-    :func:`_prompt_graphs`), for an update that follows before the weights change.
+    :func:`seeded`) instead of torch's global one.
     """
     tokenizer = agent.tokenizer
     device = next(agent.model.parameters()).device
@@ -176,8 +146,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     agent.model.eval()
     row_names = None if adapter_names is None else [name for name in adapter_names for _ in range(num_samples)]
     with packed_weights(agent.model, rows=prompt_ids.shape[0] * num_samples), seeded(seed, device):
-        prefills = _prompt_graphs(agent, prompt_ids, prompt_mask, adapter_names, prompt_graphs)
-        cache = _shared_prefill(agent, prompt_ids, prompt_mask, num_samples, rows, adapter_names, prefills)
+        cache = _shared_prefill(agent, prompt_ids, prompt_mask, num_samples, rows, adapter_names)
         shared = attending_through(cache) if isinstance(cache, SharedPrefixCache) else contextlib.nullcontext()
         with rows.route(row_names) as routing, shared:
             # Greedy decoding of the sampler's output: _Sampler has already drawn the token (see there why).
@@ -202,107 +171,27 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
         completion_mask=mask,
         sampling_logprobs=logprobs,
         texts=decode_completions(tokenizer, completion_ids, mask),
-        prompt_graphs=None if prefills is None else [cache if kept else None for cache, kept in prefills],
     )
 
 
-def _prompt_graphs(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                   adapter_names: list[str] | None, budget: PromptGraphBudget | None) -> list[tuple[Cache, bool]] | None:
-    """Each prompt's keys and values but its last token's, one prompt at a time with no padding, through its
-    own adapter (``adapter_names[row]``, else the active one); computed with gradients, the graph kept (True),
-    while ``budget`` lasts. None (prefill the batch at once instead) without a budget, or where a kept graph
-    could not stand in for the update's own pass over the prompt: dropout makes the update's forward differ
-    from this eval-mode one, a prompt has fewer than 2 tokens, or a layer's cache is not full attention.
-
-    A training step samples and then updates on the same prompts under the same weights, so the update's
-    forward pass over each prompt would repeat this prefill exactly: keeping its graph saves that pass (the
-    main job's step took x0.85 the time, SmolLM2-135M on 2 CPU cores, at ~1.4 MB of graph per prompt token).
-    One prompt per graph, because the update runs a prompt's samples as one micro-batch, and a graph is freed
-    by the first backward through it.
-    """
-    model = agent.model
-    lengths = prompt_mask.sum(dim=1).tolist()
-    dropout = getattr(model.config, "attention_dropout", 0.0) or any(
-        isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
-    if budget is None or budget.bytes_left <= 0 or not lengths or min(lengths) < 2 or dropout:
-        return None
-    prefills, active = [], None
-    previous = model.active_adapters[0] if adapter_names is not None else None
-    try:
-        for row, length in enumerate(lengths):
-            if adapter_names is not None and adapter_names[row] != active:
-                active = adapter_names[row]
-                model.set_adapter(active)
-            keep = budget.bytes_left > (budget.bytes_per_token or 0) * (length - 1)
-            with torch.set_grad_enabled(keep), _active_adapter_fused(model), _saved_bytes(model) as saved:
-                cache = model(input_ids=prompt_ids[row:row + 1, -length:-1], use_cache=True,
-                              logits_to_keep=1).past_key_values
-            if not full_attention_only(cache):
-                return None
-            if keep:
-                budget.bytes_per_token = budget.bytes_per_token or saved[0] / (length - 1)
-                keep = saved[0] <= budget.bytes_left
-                budget.bytes_left -= saved[0] if keep else 0
-            prefills.append((cache, keep))
-    finally:
-        if previous is not None:
-            model.set_adapter(previous)
-    return prefills
-
-
-@contextlib.contextmanager
-def _saved_bytes(model: torch.nn.Module) -> Iterator[list[int]]:
-    """While open, ``[n]`` counts the bytes of the tensors autograd saves for backward, each storage once,
-    the model's own parameters not counted (they are held anyway)."""
-    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in held:
-            held.add(storage.data_ptr())
-            total[0] += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield total
-
-
-def _left_padded(graphs: list[Cache], width: int, *, detach: bool = False) -> DynamicCache:
-    """One cache holding the one-row caches ``graphs`` as rows, each left-padded with zeros to ``width``
-    positions (the layout of a left-padded batch); differentiable unless ``detach``."""
-    cache = DynamicCache()
-    for index in range(len(graphs[0].layers)):
-        parts = [(graph.layers[index].keys, graph.layers[index].values) for graph in graphs]
-        if detach:
-            parts = [(keys.detach(), values.detach()) for keys, values in parts]
-        cache.update(*(torch.cat([F.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors])
-                       for tensors in zip(*parts)), index)
-    return cache
-
-
 def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
-                    rows: _RowAdapters, adapter_names: list[str] | None,
-                    prefills: list[tuple[Cache, bool]] | None = None) -> Cache | None:
+                    rows: _RowAdapters, adapter_names: list[str] | None) -> Cache | None:
     """The key/value cache of every prompt but its last token, for ``num_samples`` rows per prompt: each
-    distinct prompt is prefilled once (or taken from ``prefills``, one cache per prompt), where ``generate()``
-    would prefill the same prompt ``num_samples`` times; ``generate()`` then only runs the last prompt token.
-    The rows share each prompt's keys and values (:class:`~teamrl.models.attention.SharedPrefixCache`) where
-    the model can attend that way, else get copies of them. None where there is nothing to share."""
-    if prefills is not None:
-        cache = _left_padded([cache for cache, _ in prefills], prompt_ids.shape[1] - 1, detach=True)
-    elif num_samples == 1 or prompt_ids.shape[1] == 1:
+    distinct prompt is prefilled once, where ``generate()`` would prefill the same prompt ``num_samples``
+    times; ``generate()`` then only runs the last prompt token. The rows share each prompt's keys and
+    values (:class:`~teamrl.models.attention.SharedPrefixCache`) where the model can attend that way,
+    else get copies of them. None where there is nothing to share."""
+    if num_samples == 1 or prompt_ids.shape[1] == 1:
         return None
-    else:
-        with rows.route(adapter_names) as routing:
-            cache = agent.model(
-                input_ids=prompt_ids[:, :-1],
-                attention_mask=prompt_mask[:, :-1],
-                position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
-                use_cache=True,
-                logits_to_keep=1,
-                **routing,
-            ).past_key_values
+    with rows.route(adapter_names) as routing:
+        cache = agent.model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **routing,
+        ).past_key_values
     if shares_prefixes(agent.model, cache):
         return SharedPrefixCache(cache, prompt_mask[:, :-1], num_samples, agent.sampling.max_new_tokens)
     return _repeated_preallocated(cache, num_samples, agent.model.config,
@@ -455,8 +344,7 @@ def _active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                  concurrent: bool = False, seed: int | None = None,
-                  prompt_graphs: PromptGraphBudget | None = None) -> list[Generation]:
+                  concurrent: bool = False, seed: int | None = None) -> list[Generation]:
     """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
 
     Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
@@ -470,9 +358,6 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
     actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
     layout. Threads would share torch's one global RNG, hence not with ``concurrent``.
-
-    ``prompt_graphs``: keep prompts' prefill graphs for the update that follows, within this budget (see
-    :func:`generate`).
     """
     if team.sampler is not None:
         return team.sampler.generate_team(team, prompts, num_samples, seed=seed)
@@ -490,12 +375,10 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
             all(a.sampling == agents[0].sampling for a in agents)
         if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i), prompt_graphs=prompt_graphs)
-                    for i in indices}
+            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i)) for i in indices}
         rows = [p for i in indices for p in prompts[i]]
         names = [team[i].adapter for i in indices for _ in prompts[i]]
-        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]),
-                          prompt_graphs=prompt_graphs)
+        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]))
         out, start = {}, 0
         for i in indices:
             stop = start + len(prompts[i]) * num_samples
@@ -561,7 +444,6 @@ def token_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
-    prompt_graphs: list[Cache] | None = None,
 ) -> torch.Tensor:
     """(B, C) log-prob of each completion token under ``model`` (temperature-scaled).
 
@@ -575,13 +457,7 @@ def token_logprobs(
 
     The last completion token is never fed to the model (nothing is trained on what it predicts), so the
     logits computed are exactly the ones scored: no (tokens x vocabulary) slice or copy of them is made.
-
-    ``prompt_graphs`` (:attr:`Generation.prompt_graphs` of these rows, computed by ``model`` under its current
-    weights): the prompts' keys and values with their graphs, so that only the completions run here (where
-    every prompt has one).
     """
-    if prompt_graphs and all(graph is not None for graph in prompt_graphs):
-        return _logprobs_after_graphs(model, prompt_graphs, prompt_ids, completion_ids, completion_mask, temperature)
     unique_prompts, row_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0,
                                               return_inverse=True)
     num_prompt, num_completion = prompt_ids.shape[1], completion_ids.shape[1]
@@ -616,31 +492,6 @@ def token_logprobs(
             logits_to_keep=num_completion - 1,
         ).logits
         return torch.cat([first, _ChosenLogProbs.apply(rest, completion_ids[:, 1:], temperature)], dim=1)
-
-
-def _logprobs_after_graphs(model: torch.nn.Module, graphs: list[Cache], prompt_ids: torch.Tensor,
-                           completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-                           temperature: float) -> torch.Tensor:
-    """:func:`token_logprobs` continuing from each prompt's cached graph (all its tokens but the last, one
-    prompt per ``len(rows) / len(graphs)`` rows): the rows run their last prompt token and completions."""
-    device = completion_ids.device
-    lengths = torch.tensor([graph.get_seq_length() for graph in graphs], device=device)
-    width = int(lengths.max())
-    row_prompt = torch.arange(len(graphs), device=device).repeat_interleave(completion_ids.shape[0] // len(graphs))
-    cache = _left_padded(graphs, width)
-    cache.reorder_cache(row_prompt)  # differentiably: the prompt's gradient is the sum over its rows
-    cached_mask = (torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]).long()[row_prompt]
-    inputs = torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1)
-    attention_mask = torch.cat([cached_mask, torch.ones_like(inputs[:, :1]), completion_mask[:, :-1]], dim=1)
-    with _active_adapter_fused(model):
-        logits = model(
-            input_ids=inputs,
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.cumsum(dim=1) - 1)[:, width:],
-            past_key_values=cache,
-            logits_to_keep=inputs.shape[1],
-        ).logits
-    return _ChosenLogProbs.apply(logits, completion_ids, temperature)
 
 
 class _ChosenLogProbs(torch.autograd.Function):
