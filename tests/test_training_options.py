@@ -14,22 +14,67 @@ from teamrl.algorithms import magrpo
 from teamrl.train import Trainer, batch_indices, make_scheduler
 
 
-def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config):
-    config = tiny_config(steps=1, algorithm={"logprob_aggregation": "sequence_mean"})
+@pytest.mark.parametrize("training", ["full", "lora"])
+def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config, monkeypatch, training):
+    config = tiny_config(steps=1, algorithm={"logprob_aggregation": "sequence_mean"}, team={"training": training, "lora": {"r": 4}})
     trainer = Trainer(config)
+    with torch.no_grad():  # LoRA's B starts at zero, which would leave A without a gradient to compare
+        for param in trainer.team[0].parameters:
+            param.add_(torch.randn_like(param) * 0.05)
     tree = magrpo.rollout(magrpo.team_sampler(trainer.team), trainer.env, trainer.items[:4], config.algorithm)
     advantages, _ = magrpo.advantages(tree, len(trainer.team), config.algorithm)
     agent = trainer.team[0]
-    gradients = []
-    for micro in (0, 3):
+    threads_used = []
+    in_threads = magrpo._in_threads
+    monkeypatch.setattr(magrpo, "_in_threads",
+                        lambda fn, items, threads: threads_used.append(threads) or in_threads(fn, items, threads))
+
+    def gradients(micro: int, parallel: int) -> list[torch.Tensor]:
         optimizer = torch.optim.SGD(agent.parameters, lr=0.0)  # keep the weights: compare gradients only
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         magrpo.update_agent(agent, [t.generations[0] for t in tree.turns], advantages[0], optimizer, scheduler,
-                            config.algorithm, micro_batch_size=micro)
-        gradients.append([p.grad.clone() for p in agent.parameters])
-    assert any(g.abs().sum() > 0 for g in gradients[0])
-    for full, accumulated in zip(*gradients):
-        torch.testing.assert_close(full, accumulated, rtol=1e-4, atol=1e-7)
+                            config.algorithm, micro_batch_size=micro, parallel_micro_batches=parallel)
+        assert torch.get_num_threads() == 2  # the threads' share of torch's threads is given back
+        return [p.grad.clone() for p in agent.parameters]
+
+    whole = gradients(0, 1)
+    accumulated, in_parallel, again = gradients(3, 1), gradients(3, 2), gradients(3, 2)
+    # Full fine-tuning runs one at a time: each thread's gradient would be another copy of the model.
+    assert threads_used == ([1, 1, 2, 2] if training == "lora" else [1, 1, 1, 1])
+    assert any(g.abs().sum() > 0 for g in whole)
+    for full, one_at_a_time, parallel, repeat in zip(whole, accumulated, in_parallel, again):
+        torch.testing.assert_close(full, one_at_a_time, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(full, parallel, rtol=1e-4, atol=1e-7)
+        assert torch.equal(parallel, repeat)  # summed in micro-batch order, whichever thread ends first
+        assert parallel.stride() == repeat.stride() == one_at_a_time.stride()
+
+
+def test_micro_batches_run_one_at_a_time_where_threads_would_change_the_result_or_hold_copies():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    adapter = [model[2].weight]  # 16 of 289 weights train, as with LoRA
+    assert magrpo._parallel_micro_batches(model, adapter, 2, num_batches=5) == 1  # dropout: one generator
+    model[1].p = 0.0
+    assert magrpo._parallel_micro_batches(model, adapter, 2, num_batches=5) == 2
+    assert magrpo._parallel_micro_batches(model, adapter, 4, num_batches=3) == 3
+    assert magrpo._parallel_micro_batches(model, adapter, 2, num_batches=1) == 1
+    assert magrpo._parallel_micro_batches(model, list(model.parameters()), 2, num_batches=5) == 1  # full
+
+
+def test_threaded_micro_batches_come_back_in_order_and_raise_where_they_failed():
+    results = list(magrpo._in_threads(lambda x: (x, torch.get_num_threads()), range(6), threads=2))
+    assert results == [(x, 1) for x in range(6)]  # each thread has one of the two torch threads
+    assert torch.get_num_threads() == 2
+
+    def fail_on_three(x: int) -> int:
+        if x == 3:
+            raise ValueError("micro-batch 3")
+        return x
+
+    seen = []
+    with pytest.raises(ValueError, match="micro-batch 3"):
+        seen.extend(magrpo._in_threads(fail_on_three, range(6), threads=2))
+    assert seen == [0, 1, 2]
+    assert torch.get_num_threads() == 2
 
 
 def test_warmup_then_decay_schedules():

@@ -88,7 +88,8 @@ def train_agent(agent: Agent, generations: list[Generation], advantages: list[to
     with seeded(seed, agent.parameters[0].device):
         stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm,
                                     micro_batch_size=config.optim.micro_batch_size,
-                                    max_grad_norm=config.optim.max_grad_norm)
+                                    max_grad_norm=config.optim.max_grad_norm,
+                                    parallel_micro_batches=config.optim.parallel_micro_batches)
     return {**stats, "lr": scheduler.get_last_lr()[0]}
 
 

@@ -344,7 +344,7 @@ def test_training_forward_runs_the_active_adapter_as_peft_does(tiny_config, dtyp
         else:
             with contextlib.ExitStack() as stack:  # PEFT's forward: the fused path switched off
                 stack.enter_context(pytest.MonkeyPatch.context()).setattr(
-                    generate_module, "_active_adapter_fused", lambda model: contextlib.nullcontext())
+                    generate_module, "active_adapter_fused", lambda model: contextlib.nullcontext())
                 logprobs = token_logprobs(model, *batch, temperature=0.7)
         (logprobs * weights).sum().backward()
         return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

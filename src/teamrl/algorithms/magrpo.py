@@ -20,9 +20,11 @@ One training step for a batch of items:
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,7 +33,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import Generation, derive_seed, generate_team, token_logprobs
+from teamrl.rollout.generate import Generation, active_adapter_fused, derive_seed, generate_team, token_logprobs
 from teamrl.team import Agent, Team
 
 
@@ -149,59 +151,165 @@ def update_agent(
     *,
     micro_batch_size: int = 0,
     max_grad_norm: float | None = None,
+    parallel_micro_batches: int = 1,
 ) -> dict[str, float]:
-    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn."""
+    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn.
+
+    ``parallel_micro_batches`` > 1 runs that many micro-batches at once on CPU threads (see
+    :func:`_parallel_micro_batches`); the gradients add up in micro-batch order whichever thread ends first,
+    so a run repeats exactly."""
     agent.activate()
-    agent.model.train()
     temperature = agent.sampling.temperature
     batches = [
-        (gen.rows(start, stop).trimmed(), adv[start:stop])
+        (gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
         for gen, adv in zip(generations, advantages)
         for start, stop in _micro_batches(adv.shape[0], micro_batch_size)
     ]
-    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
     use_kl = config.kl_coef > 0
-    old_logprobs: list[torch.Tensor | None] = [None] * len(batches)
-    ref_logprobs: list[torch.Tensor | None] = [None] * len(batches)
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
-    for iteration in range(config.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
-        for b, (gen, adv) in enumerate(batches):
-            adv_rows = adv.to(gen.completion_ids.device)
-            if not use_kl and not adv_rows.any():
-                continue  # a zero advantage contributes exactly zero gradient: skip the forward pass
-            inputs = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
-            logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
-            if old_logprobs[b] is None:
-                # No update has happened yet in the first pass, so the current policy is the sampling one.
-                old_logprobs[b] = logprobs.detach()
-            if use_kl and ref_logprobs[b] is None:
-                with torch.no_grad(), agent.reference() as reference:
-                    ref_logprobs[b] = token_logprobs(reference, *inputs, temperature=temperature)
-                agent.activate()
-            loss, stats = policy_loss(
-                logprobs, old_logprobs[b], adv_rows, inputs[3],
-                aggregation=config.logprob_aggregation, normalizer=normalizer,
-                epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-                ref_logprobs=ref_logprobs[b], kl_coef=config.kl_coef,
-            )
+    # A zero advantage contributes exactly zero gradient: without a KL term, skip its forward pass.
+    todo = [b for b, (_, adv) in enumerate(batches) if use_kl or adv.any()]
+    ref_logprobs: dict[int, torch.Tensor] = {}
+    if use_kl:  # before the threads start: the reference switches the whole (shared) model
+        with torch.no_grad(), agent.reference() as reference:
+            for b in todo:
+                ref_logprobs[b] = token_logprobs(reference, *_inputs(batches[b][0]), temperature=temperature)
+        agent.activate()
+    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
+    params = [p for p in agent.parameters if p.requires_grad]
+    threads = _parallel_micro_batches(agent.model, params, parallel_micro_batches, len(todo))
+    old_logprobs: dict[int, torch.Tensor] = {}
+
+    def micro_batch_loss(b: int) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
+        """Micro-batch b's loss and stats; its gradient added to ``.grad`` (one thread) or returned."""
+        gen, adv_rows = batches[b]
+        inputs = _inputs(gen)
+        logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
+        # No update has happened yet in the first pass, so the current policy is the sampling one.
+        old = old_logprobs.setdefault(b, logprobs.detach())
+        loss, stats = policy_loss(
+            logprobs, old, adv_rows, inputs[3],
+            aggregation=config.logprob_aggregation, normalizer=normalizer,
+            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+            ref_logprobs=ref_logprobs.get(b), kl_coef=config.kl_coef,
+        )
+        if threads == 1:
             loss.backward()
-            loss_sum += float(loss.detach())
-            clipped += stats["clip_fraction"] * stats["tokens"]
-            kl_sum += stats.get("kl", 0.0) * stats["tokens"]
-            tokens += stats["tokens"]
-        grads = [p.grad for p in agent.parameters if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if grads else 0.0
-        optimizer.step()
-        scheduler.step()
-        totals["loss"] += loss_sum / config.num_iterations
-        totals["grad_norm"] += norm / config.num_iterations
-        totals["clip_fraction"] += clipped / max(tokens, 1) / config.num_iterations
-        totals["kl"] += kl_sum / max(tokens, 1) / config.num_iterations
-        totals["tokens"] = tokens
+            return float(loss.detach()), stats, None
+        return float(loss.detach()), stats, torch.autograd.grad(loss, params, allow_unused=True)
+
+    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
+    agent.model.train()
+    # Fused once for every thread: entering and leaving it per call would unfuse the layers under the others.
+    with active_adapter_fused(agent.model):
+        for iteration in range(config.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
+            for loss_value, stats, grads in _in_threads(micro_batch_loss, todo, threads):
+                for param, grad in zip(params, grads or ()):
+                    if grad is None:
+                        continue
+                    if param.grad is None:  # in the parameter's layout, as backward() would leave it
+                        param.grad = grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+                    else:
+                        param.grad.add_(grad)
+                loss_sum += loss_value
+                clipped += stats["clip_fraction"] * stats["tokens"]
+                kl_sum += stats.get("kl", 0.0) * stats["tokens"]
+                tokens += stats["tokens"]
+            grads = [p.grad for p in agent.parameters if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if grads else 0.0
+            optimizer.step()
+            scheduler.step()
+            totals["loss"] += loss_sum / config.num_iterations
+            totals["grad_norm"] += norm / config.num_iterations
+            totals["clip_fraction"] += clipped / max(tokens, 1) / config.num_iterations
+            totals["kl"] += kl_sum / max(tokens, 1) / config.num_iterations
+            totals["tokens"] = tokens
     agent.model.eval()
     return totals
+
+
+def _inputs(gen: Generation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+
+
+def _parallel_micro_batches(model: torch.nn.Module, params: Sequence[torch.nn.Parameter], requested: int,
+                            num_batches: int) -> int:
+    """How many micro-batches run at once: ``requested``, at most one per micro-batch; 1 on a GPU (its
+    kernels already queue on one stream), where the forward pass draws random numbers (dropout: threads
+    would take them from torch's one generator in whatever order they run, and a seed would no longer fix
+    the masks), and where more than a tenth of the model trains (full fine-tuning: each thread's
+    gradient would be another copy of the model).
+
+    Why threads on CPU: with its threads split between two micro-batches, each of torch's operations
+    runs on fewer cores, and most of an update's operations (element-wise passes, norms, attention, the
+    small LoRA matmuls) scale poorly across cores: an update of SmolLM2-135M's LoRA agents on 2 CPU
+    cores took ~15% less time (docs/performance.md). The cost is a second micro-batch's activations.
+    """
+    if requested <= 1 or num_batches <= 1:
+        return 1
+    if next(model.parameters()).device.type != "cpu" or _uses_dropout(model):
+        return 1
+    if sum(p.numel() for p in params) * 10 > sum(p.numel() for p in model.parameters()):
+        return 1
+    return min(requested, num_batches)
+
+
+def _uses_dropout(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s training forward pass draws dropout masks: a dropout module, or a dropout
+    probability in its transformers config (attention dropout is applied functionally)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
+               for key, value in settings.items())
+
+
+def _in_threads(fn: Callable, items: Sequence, threads: int) -> Iterator:
+    """``map(fn, items)`` on ``threads`` threads (this one and ``threads - 1`` helpers) that split torch's CPU
+    threads between them; results come in the order of ``items``.
+
+    This thread takes part, rather than waiting on a pool: each thread that allocates gets its own
+    malloc arena, whose freed blocks stay in the process, and a third arena added ~0.5 GB to the peak
+    memory of an update on 2 CPU cores (SmolLM2-135M LoRA agents, 4-row micro-batches)."""
+    if threads <= 1:
+        yield from map(fn, items)
+        return
+    total = torch.get_num_threads()
+    queue, lock = iter(range(len(items))), threading.Lock()
+    results: list[tuple[bool, Any]] = [(False, None)] * len(items)
+    finished = [threading.Event() for _ in items]
+
+    def work() -> None:
+        torch.set_num_threads(max(1, total // threads))  # torch's thread count is per OS thread
+        while True:
+            with lock:
+                index = next(queue, None)
+            if index is None:
+                return
+            try:
+                results[index] = (True, fn(items[index]))
+            except BaseException as error:  # re-raised in this thread, at its place in the order
+                results[index] = (False, error)
+            finished[index].set()
+
+    helpers = [threading.Thread(target=work, name=f"teamrl-update-{k}", daemon=True) for k in range(1, threads)]
+    try:
+        for helper in helpers:
+            helper.start()
+        work()
+        for index in range(len(items)):
+            finished[index].wait()
+            ok, value = results[index]
+            if not ok:
+                raise value
+            results[index] = (True, None)  # let the gradients go once summed
+            yield value
+    finally:
+        for helper in helpers:
+            helper.join()
+        torch.set_num_threads(total)  # the threads' calls also changed the count new threads start with
 
 
 def _micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:

@@ -308,6 +308,11 @@ def _add_low_rank(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
     return torch.addmm(flat, low, lora_b.T).view(output.shape)
 
 
+def _is_fused(layer: torch.nn.Module) -> bool:
+    forward = vars(layer).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _base_and_adapter
+
+
 def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A plain LoRA layer's forward through adapter ``name``, by :func:`_add_low_rank`.
 
@@ -322,7 +327,7 @@ def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args,
 
 
 @contextlib.contextmanager
-def _active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
+def active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
     """While open, each LoRA layer of ``model`` runs its one active adapter by :func:`_base_and_adapter`
     instead of PEFT's forward: the same function and gradients, with fewer passes over the layers'
     outputs. Models without plain LoRA layers, with several active adapters or with adapters disabled
@@ -331,8 +336,8 @@ def _active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
 
     active = model.active_adapters if isinstance(model, PeftModel) else []
     layers = _plain_lora_layers(model, active) if len(active) == 1 else None
-    if not layers or any(layer.disable_adapters or layer.merged for layer in layers):
-        yield
+    if not layers or any(layer.disable_adapters or layer.merged or _is_fused(layer) for layer in layers):
+        yield  # nothing to fuse, or an enclosing call (that will unfuse them) already did
         return
     for layer in layers:
         layer.forward = functools.partial(_base_and_adapter, layer, active[0])
@@ -463,7 +468,7 @@ def token_logprobs(
     num_prompt, num_completion = prompt_ids.shape[1], completion_ids.shape[1]
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    with _active_adapter_fused(model):
+    with active_adapter_fused(model):
         if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
             logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1),
