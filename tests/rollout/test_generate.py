@@ -381,25 +381,35 @@ def _lora_team_with_distinct_adapters(tiny_config, scale: float = 0.3, **team):
     return trainer.team
 
 
-def test_stacked_adapters_compute_what_peft_routing_computes(tiny_config):
+@pytest.mark.parametrize("layout", ["uneven", "blocks"])
+def test_stacked_adapters_compute_what_peft_routing_computes(tiny_config, monkeypatch, layout):
+    import teamrl.rollout.generate as generate_module
     from teamrl.rollout.generate import _RowAdapters
 
     team = _lora_team_with_distinct_adapters(tiny_config)
     model = team[0].model.eval()
-    names = [team[1].adapter, team[0].adapter, team[1].adapter, team[0].adapter]  # interleaved rows
+    first, second = team[1].adapter, team[0].adapter
+    # Uneven runs of rows take the masked sum; a team's layout (consecutive equal blocks) the batched one.
+    names = [first, second, second, first] if layout == "uneven" else [first, first, second, second]
+    own_row = names.index(team[0].adapter)
+    grouped_calls = []
+    grouped = generate_module._add_low_rank_grouped
+    monkeypatch.setattr(generate_module, "_add_low_rank_grouped",
+                        lambda *args: grouped_calls.append(1) or grouped(*args))
     ids = torch.randint(3, 15, (4, 6))
     rows = _RowAdapters.build(model, names)
     assert len(rows.layers) > 0
     with torch.no_grad(), rows.route(names) as routing:
-        assert routing == {}  # the hooks route, not PEFT
+        assert routing == {}  # the replaced forwards route, not PEFT
         stacked = model(input_ids=ids).logits
+    assert bool(grouped_calls) == (layout == "blocks")
     with torch.no_grad():
         peft_routed = model(input_ids=ids, adapter_names=names).logits
         team[0].activate()
-        own = model(input_ids=ids[1:2]).logits
+        own = model(input_ids=ids[own_row:own_row + 1]).logits
     torch.testing.assert_close(stacked, peft_routed, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(stacked[1:2], own, atol=1e-5, rtol=1e-5)
-    assert not any(module._forward_hooks for module, _, _ in rows.layers)  # the hooks leave with the block
+    torch.testing.assert_close(stacked[own_row:own_row + 1], own, atol=1e-5, rtol=1e-5)
+    assert not any("forward" in vars(module) for module, _, _ in rows.layers)  # PEFT's forward is back
     with torch.no_grad():
         assert not torch.allclose(model(input_ids=ids[:1]).logits, stacked[:1])  # adapters are back on
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -238,7 +239,9 @@ class _RowAdapters:
     def __init__(self, model: torch.nn.Module | None = None, names: Sequence[str] = (),
                  layers: Sequence[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = ()):
         self.model, self.names, self.layers = model, list(names), list(layers)
-        self._mask: torch.Tensor | None = None
+        #: Every layer's adapters have one rank, so a layer's stacked weights split into equal blocks.
+        self.uniform_rank = all(len({module.lora_A[n].weight.shape[0] for n in self.names}) == 1
+                                for module, _, _ in self.layers)
 
     @classmethod
     def build(cls, model: torch.nn.Module, adapter_names: Sequence[str]) -> _RowAdapters:
@@ -262,23 +265,44 @@ class _RowAdapters:
         if not self.layers:
             yield {"adapter_names": list(row_names)}
             return
-        first_layer, stacked_a, _ = self.layers[0]
-        ranks = [first_layer.lora_A[n].weight.shape[0] for n in self.names]
-        rank_block = torch.repeat_interleave(torch.arange(len(self.names)), torch.tensor(ranks))
-        row_block = torch.tensor([self.names.index(n) for n in row_names])
-        self._mask = (row_block[:, None] == rank_block[None, :]).to(stacked_a)[:, None, :]
-        for module, a, b in self.layers:
-            module.forward = functools.partial(self._forward, module, a, b)
+        blocks = _equal_runs(row_names)
+        count = len(self.names)
+        if blocks is not None and self.uniform_rank:
+            index = torch.tensor([self.names.index(n) for n in blocks])
+            forwards = [functools.partial(  # (adapters, in, r) and (adapters, r, out) views of the stacked weights
+                _grouped_forward, module, a.view(count, -1, a.shape[1]).transpose(1, 2)[index],
+                b.view(b.shape[0], count, -1).permute(1, 2, 0)[index]) for module, a, b in self.layers]
+        else:
+            first_layer, stacked_a, _ = self.layers[0]
+            ranks = [first_layer.lora_A[n].weight.shape[0] for n in self.names]
+            rank_block = torch.repeat_interleave(torch.arange(count), torch.tensor(ranks))
+            row_block = torch.tensor([self.names.index(n) for n in row_names])
+            mask = (row_block[:, None] == rank_block[None, :]).to(stacked_a)[:, None, :]
+            forwards = [functools.partial(_masked_forward, module, a, b, mask) for module, a, b in self.layers]
+        for (module, _, _), forward in zip(self.layers, forwards):
+            module.forward = forward
         try:
             yield {}
         finally:
             for module, _, _ in self.layers:
                 del module.forward
-            self._mask = None
 
-    def _forward(self, layer: torch.nn.Module, stacked_a: torch.Tensor, stacked_b: torch.Tensor, x: torch.Tensor,
-                 *args, **kwargs) -> torch.Tensor:
-        return _add_low_rank(layer.base_layer(x, *args, **kwargs), x, stacked_a, stacked_b, self._mask)
+
+def _masked_forward(layer: torch.nn.Module, stacked_a: torch.Tensor, stacked_b: torch.Tensor, mask: torch.Tensor,
+                    x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return _add_low_rank(layer.base_layer(x, *args, **kwargs), x, stacked_a, stacked_b, mask)
+
+
+def _grouped_forward(layer: torch.nn.Module, a_blocks: torch.Tensor, b_blocks: torch.Tensor, x: torch.Tensor,
+                     *args, **kwargs) -> torch.Tensor:
+    return _add_low_rank_grouped(layer.base_layer(x, *args, **kwargs), x, a_blocks, b_blocks)
+
+
+def _equal_runs(row_names: Sequence[str]) -> list[str] | None:
+    """The name of each block of rows, where the rows form consecutive blocks of one name and one size
+    (as a team's rows do: each agent's prompts x samples in turn); else None."""
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(row_names)]
+    return [name for name, _ in runs] if len({size for _, size in runs}) == 1 else None
 
 
 def _plain_lora_layers(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
@@ -312,6 +336,20 @@ def _add_low_rank(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
 def _is_fused(layer: torch.nn.Module) -> bool:
     forward = vars(layer).get("forward")
     return isinstance(forward, functools.partial) and forward.func is _base_and_adapter
+
+
+def _add_low_rank_grouped(output: torch.Tensor, x: torch.Tensor, a_blocks: torch.Tensor,
+                          b_blocks: torch.Tensor) -> torch.Tensor:
+    """``output + x_k @ A_k @ B_k`` for k equal, consecutive blocks of rows, block k through adapter k (the
+    B blocks scaled): two batched matmuls, where the masked form (:func:`_add_low_rank`) runs every row
+    through every adapter and masks. A 16-row decoding step's update of one layer took 12-16 against
+    30-48 us, a prefill's of 4 x 180 tokens 170-290 against 310-700 us (SmolLM2-135M, 2 CPU cores)."""
+    blocks = a_blocks.shape[0]
+    low = torch.bmm(x.reshape(blocks, -1, x.shape[-1]).to(a_blocks.dtype), a_blocks)
+    if output.dtype != low.dtype or torch.is_grad_enabled() or not output.is_contiguous():
+        return output + torch.bmm(low, b_blocks).view(output.shape).to(output.dtype)
+    output.view(blocks, -1, output.shape[-1]).baddbmm_(low, b_blocks)  # nothing else holds the fresh output
+    return output
 
 
 def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
