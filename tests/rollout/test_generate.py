@@ -427,6 +427,21 @@ def test_adapter_variants_keep_peft_routing(tiny_config):
         assert routing == {"adapter_names": names} and not rows.layers
 
 
+def test_merged_adapters_keep_peft_routing(tiny_config):
+    from teamrl.rollout.generate import _RowAdapters, active_adapter_fused
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    model = team[0].model
+    names = [team[0].adapter, team[1].adapter]
+    team[0].activate()
+    model.merge_adapter()  # the base weights now hold the adapter: adding it again would count it twice
+    rows = _RowAdapters.build(model, names)
+    with rows.route(names) as routing:
+        assert routing == {"adapter_names": names} and not rows.layers
+    with active_adapter_fused(model):
+        assert not any("forward" in vars(module) for module in model.modules())
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.6)])
 def test_sampler_draws_from_the_filtered_policy_and_records_the_tempered_logprob(temperature, top_k, top_p):
     from teamrl.rollout.generate import _Sampler

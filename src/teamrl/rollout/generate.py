@@ -229,7 +229,8 @@ class _RowAdapters:
     adapters are stacked instead, A matrices one above the other (r1 + r2 + ... rows) and scaled B
     matrices side by side, and the layer adds ``((x @ A.T) * mask) @ B.T``, where ``mask`` keeps each
     row's own adapter's block of the rank dimension: the same sum as each row through its own adapter,
-    in two matmuls for the whole team. While routing, each LoRA layer's forward is replaced by its base
+    in two matmuls for the whole team. A team's rows, which come as equal consecutive blocks per adapter,
+    take :func:`_add_low_rank_grouped` instead: per block, its own adapter only. While routing, each LoRA layer's forward is replaced by its base
     layer plus the stacked update (not PEFT's forward with the adapters disabled and a hook adding it:
     PEFT's ``disable_adapter`` alone took ~80 ms per call, checking every layer's status). Adapters this
     does not cover (DoRA and other variants, non-linear layers) keep PEFT's routing. Built with no model,
@@ -307,12 +308,13 @@ def _equal_runs(row_names: Sequence[str]) -> list[str] | None:
 
 def _plain_lora_layers(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
     """Every LoRA layer of ``model``, or None where one is not a plain linear A/B pair for each of
-    ``names`` (DoRA and other variants, embeddings, convolutions: PEFT's own forward then runs them)."""
+    ``names`` (DoRA and other variants, embeddings, convolutions) or has adapters merged into its base
+    weights: PEFT's own forward then runs them."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
 
     layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
-    if any(type(module) is not LoraLinear or getattr(module, "lora_variant", None)
+    if any(type(module) is not LoraLinear or getattr(module, "lora_variant", None) or module.merged
            or any(n not in module.lora_A for n in names) for module in layers):
         return None
     return layers
@@ -375,7 +377,7 @@ def active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
 
     active = model.active_adapters if isinstance(model, PeftModel) else []
     layers = _plain_lora_layers(model, active) if len(active) == 1 else None
-    if not layers or any(layer.disable_adapters or layer.merged or _is_fused(layer) for layer in layers):
+    if not layers or any(layer.disable_adapters or _is_fused(layer) for layer in layers):
         yield  # nothing to fuse, or an enclosing call (that will unfuse them) already did
         return
     for layer in layers:
