@@ -204,8 +204,8 @@ def update_agent(
         for iteration in range(config.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
-            for loss_value, stats, grads in _in_threads(micro_batch_loss, todo, threads):
-                for param, grad in zip(params, grads or ()):
+            for loss_value, stats, gradient in _in_threads(micro_batch_loss, todo, threads):
+                for param, grad in zip(params, gradient or ()):
                     if grad is None:
                         continue
                     if param.grad is None:  # in the parameter's layout, as backward() would leave it
@@ -216,8 +216,8 @@ def update_agent(
                 clipped += stats["clip_fraction"] * stats["tokens"]
                 kl_sum += stats.get("kl", 0.0) * stats["tokens"]
                 tokens += stats["tokens"]
-            grads = [p.grad for p in agent.parameters if p.grad is not None]
-            norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if grads else 0.0
+            has_grad = any(p.grad is not None for p in agent.parameters)
+            norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if has_grad else 0.0
             optimizer.step()
             scheduler.step()
             totals["loss"] += loss_sum / config.num_iterations
