@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from teamrl.algorithms import magrpo
-from teamrl.train import Trainer, batch_indices, make_scheduler
+from teamrl.train import Trainer, batch_indices, make_scheduler, train_agents
 
 
 @pytest.mark.parametrize("training", ["full", "lora"])
@@ -47,6 +47,58 @@ def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config,
         torch.testing.assert_close(full, parallel, rtol=1e-4, atol=1e-7)
         assert torch.equal(parallel, repeat)  # summed in micro-batch order, whichever thread ends first
         assert parallel.stride() == repeat.stride() == one_at_a_time.stride()
+
+
+def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update(tiny_config):
+    config = tiny_config(steps=1, items_per_step=1, team={"training": "lora", "lora": {"r": 4}},
+                         algorithm={"num_generations": 2, "num_turns": 2}, optim={"micro_batch_size": 2})
+    trainers = [Trainer(config), Trainer(config)]
+    for trainer in trainers:
+        torch.manual_seed(0)
+        with torch.no_grad():  # LoRA's B starts at zero: give every weight a gradient to compare
+            for agent in trainer.team:
+                for param in agent.parameters:
+                    param.add_(torch.randn_like(param) * 0.05)
+    pooled, alone = trainers
+    team = list(pooled.team)
+    assert team[0].model is team[1].model and magrpo.update_pools(team, 2) == [[0, 1]]
+    tree = magrpo.rollout(magrpo.team_sampler(pooled.team), pooled.env, pooled.items[:1], config.algorithm)
+    advantages, _ = magrpo.advantages(tree, 2, config.algorithm)
+    generations = [[t.generations[i] for t in tree.turns] for i in range(2)]
+    assert [len(g) for g in generations] == [2, 2]  # 1 + 2 micro-batches per agent: an odd count for 2 threads
+    threads_used = []
+    in_threads = magrpo._in_threads
+
+    def counting(fn, items, threads):
+        threads_used.append((len(items), threads))
+        return in_threads(fn, items, threads)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(magrpo, "_in_threads", counting)
+        together = train_agents(team, generations, advantages, pooled.optimizers, pooled.schedulers, config, [1, 2])
+        one_by_one = [magrpo.update_agent(agent, generations[k], advantages[k], alone.optimizers[k],
+                                          alone.schedulers[k], config.algorithm, micro_batch_size=2,
+                                          max_grad_norm=config.optim.max_grad_norm, parallel_micro_batches=2)
+                      for k, agent in enumerate(alone.team)]
+    assert threads_used == [(6, 2), (3, 2), (3, 2)]
+    for k in range(2):
+        assert together[k]["tokens"] == one_by_one[k]["tokens"] > 0
+        assert together[k]["loss"] == pytest.approx(one_by_one[k]["loss"], abs=0, rel=0)
+        for mine, theirs in zip(pooled.team[k].parameters, alone.team[k].parameters):
+            assert torch.equal(mine, theirs)  # each agent's adapter trained on its own micro-batches only
+    assert pooled.team[0].parameters[0].grad is not None and not pooled.team[0].parameters[0].requires_grad
+    assert pooled.team[1].parameters[0].requires_grad  # as after one-by-one updates: the last agent active
+
+
+def test_only_lora_agents_on_one_base_with_threads_pool(tiny_config):
+    lora = Trainer(tiny_config(steps=1, team={"training": "lora", "lora": {"r": 4}}))
+    assert magrpo.update_pools(list(lora.team), 2) == [[0, 1]]
+    assert magrpo.update_pools(list(lora.team), 1) == [[0], [1]]  # one at a time: a pool gains nothing
+    full = Trainer(tiny_config(steps=1))
+    assert magrpo.update_pools(list(full.team), 2) == [[0], [1]]  # a model each
+    with pytest.raises(ValueError, match="plain LoRA adapters of one shared model"):
+        magrpo.update_agents(list(full.team), [[], []], [[], []], full.optimizers, full.schedulers,
+                             full.config.algorithm)
 
 
 def test_micro_batches_run_one_at_a_time_where_threads_would_change_the_result_or_hold_copies():

@@ -79,18 +79,25 @@ def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr
     return optimizer, make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total)
 
 
-def train_agent(agent: Agent, generations: list[Generation], advantages: list[torch.Tensor],
-                optimizer: torch.optim.Optimizer, scheduler: Any, config: TrainConfig, seed: int) -> dict[str, float]:
-    """One agent's update of a step (paper Eq. 2, :func:`magrpo.update_agent`) with the run's settings; its
-    stats and the learning rate it leaves. The same call runs here and in a Ray agent actor. ``seed`` seeds
-    whatever the update draws (dropout), so the result depends on the step alone: not on the process it
-    runs in, nor on what ran before it."""
-    with seeded(seed, agent.parameters[0].device):
-        stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm,
-                                    micro_batch_size=config.optim.micro_batch_size,
-                                    max_grad_norm=config.optim.max_grad_norm,
-                                    parallel_micro_batches=config.optim.parallel_micro_batches)
-    return {**stats, "lr": scheduler.get_last_lr()[0]}
+def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]],
+                 advantages: Sequence[list[torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
+                 schedulers: Sequence[Any], config: TrainConfig, seeds: Sequence[int]) -> list[dict[str, float]]:
+    """The agents' updates of a step (paper Eq. 2, :func:`magrpo.update_agents`) with the run's settings; each
+    agent's stats and the learning rate it leaves. The same call runs here and, for its one agent, in a Ray
+    agent actor. Agents on one base pool their micro-batches (:func:`magrpo.update_pools`); any other
+    agent updates alone under its own ``seeds[k]``, which seeds whatever the update draws (dropout), so the
+    result depends on the step alone: not on the process it runs in, nor on what ran before it. (A pool
+    draws nothing: pools form only without dropout.)"""
+    stats: dict[int, dict[str, float]] = {}
+    for pool in magrpo.update_pools(agents, config.optim.parallel_micro_batches):
+        with seeded(seeds[pool[0]], agents[pool[0]].parameters[0].device):
+            results = magrpo.update_agents(
+                [agents[k] for k in pool], [generations[k] for k in pool], [advantages[k] for k in pool],
+                [optimizers[k] for k in pool], [schedulers[k] for k in pool], config.algorithm,
+                micro_batch_size=config.optim.micro_batch_size, max_grad_norm=config.optim.max_grad_norm,
+                parallel_micro_batches=config.optim.parallel_micro_batches)
+        stats.update({k: {**result, "lr": schedulers[k].get_last_lr()[0]} for k, result in zip(pool, results)})
+    return [stats[k] for k in range(len(agents))]
 
 
 class Trainer:
@@ -272,8 +279,8 @@ class Trainer:
         its seed): here one after the other, or in the agents' Ray actors all at once."""
         if not isinstance(self.team, Team):
             return self.team.update(generations, advantages, seeds)
-        return [train_agent(agent, generations[i], advantages[i], self.optimizers[i], self.schedulers[i],
-                            self.config, seeds[i]) for i, agent in enumerate(self.team)]
+        return train_agents(list(self.team), generations, advantages, self.optimizers, self.schedulers, self.config,
+                            seeds)
 
     def _agent_states(self) -> list[AgentState]:
         """Every agent's trained parameters and optimiser and schedule state, for a checkpoint."""

@@ -16,7 +16,7 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import SamplingConfig
 from teamrl.envs.digit_sum import DigitSumGame
 from teamrl.models.tiny import tiny_model_and_tokenizer, tiny_tokenizer
-from teamrl.rollout.generate import completion_mask, generate, token_logprobs
+from teamrl.rollout.generate import Generation, completion_mask, generate, prompt_stem, token_logprobs
 from teamrl.team import Agent
 
 WORDS = [str(d) for d in range(10)] + "target first second partner you hits nothing".split()
@@ -368,6 +368,56 @@ def test_training_forward_runs_the_active_adapter_as_peft_does(tiny_config, dtyp
         with model.disable_adapter():
             torch.testing.assert_close(base, token_logprobs(model.get_base_model(), *batch))
     assert not torch.allclose(base, fused)
+
+
+def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_a_shared_prompt_opening_run_once_gives_the_same_logprobs_and_gradients():
+    model, _ = tiny_model_and_tokenizer(WORDS, seed=0)
+    draw = torch.Generator().manual_seed(1)
+    opening = torch.randint(3, 3 + len(WORDS), (20,), generator=draw).tolist()  # the role and task text
+    own = [torch.randint(3, 3 + len(WORDS), (n,), generator=draw).tolist() for n in (3, 7, 1, 5)]
+    generations = []
+    for prompts in ([0, 0, 1, 1], [2, 3, 3, 2]):  # two micro-batches: samples sharing prompts, ends of 1 to 7 tokens
+        prompt_ids, prompt_mask = _left_padded([opening + own[p] for p in prompts])
+        completions = torch.randint(3, 3 + len(WORDS), (4, 5), generator=draw)
+        completions[torch.arange(4), torch.tensor([4, 1, 2, 4])] = EOS
+        mask = completion_mask(completions, [EOS])
+        generations.append(Generation(prompt_ids, prompt_mask, completions, mask, torch.zeros(4, 5), [""] * 4))
+    weights = [torch.randn(4, 5, generator=draw) for _ in generations]
+
+    def run(use_stem: bool):
+        model.zero_grad(set_to_none=True)
+        stem = prompt_stem(model, generations) if use_stem else None
+        outputs = []
+        for gen, weight in zip(generations, weights):
+            logprobs = token_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                                      gen.completion_mask, temperature=0.7, stem=stem)
+            (logprobs * weight * gen.completion_mask).sum().backward()
+            outputs.append(logprobs.detach() * gen.completion_mask)
+        if stem is not None:
+            assert torch.equal(stem.ids, torch.tensor(opening))
+            stem.backward([leaf.grad for leaf in stem.leaves()])
+        return torch.cat(outputs), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with_stem, stem_grads = run(True)
+    without, grads = run(False)
+    torch.testing.assert_close(with_stem, without, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(stem_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+    stem = prompt_stem(model, generations)
+    other = _left_padded([own[1] + opening])
+    with pytest.raises(ValueError, match="does not start with the stem"):
+        stem.remainder(*other)
+    first = generations[0]
+    assert prompt_stem(model, [first.rows(0, 2)]) is None  # one distinct prompt: nothing to share
+    assert prompt_stem(model, [first.rows(1, 3)]) is not None
 
 
 def _lora_team_with_distinct_adapters(tiny_config, scale: float = 0.3, **team):

@@ -20,6 +20,7 @@ One training step for a batch of items:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,8 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import Generation, active_adapter_fused, derive_seed, generate_team, token_logprobs
+from teamrl.rollout.generate import (Generation, PromptStem, active_adapter_fused, adapter_in_this_thread,
+                                     derive_seed, generate_team, plain_lora_layers, prompt_stem, token_logprobs)
 from teamrl.team import Agent, Team
 
 
@@ -153,80 +155,165 @@ def update_agent(
     max_grad_norm: float | None = None,
     parallel_micro_batches: int = 1,
 ) -> dict[str, float]:
-    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn.
+    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn
+    (:func:`update_agents` with this agent alone)."""
+    return update_agents([agent], [generations], [advantages], [optimizer], [scheduler], config,
+                         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
+                         parallel_micro_batches=parallel_micro_batches)[0]
+
+
+def update_agents(
+    agents: Sequence[Agent],
+    generations: Sequence[list[Generation]],
+    advantages: Sequence[list[torch.Tensor]],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
+    config: AlgorithmConfig,
+    *,
+    micro_batch_size: int = 0,
+    max_grad_norm: float | None = None,
+    parallel_micro_batches: int = 1,
+) -> list[dict[str, float]]:
+    """Paper Eq. 2 for each agent: ``num_iterations`` steps of its own optimiser on its completions of every
+    turn (agent k: ``generations[k]``, ``advantages[k]``), with every agent's micro-batches in one pool.
 
     ``parallel_micro_batches`` > 1 runs that many micro-batches at once on CPU threads (see
-    :func:`_parallel_micro_batches`); the gradients add up in micro-batch order whichever thread ends first,
-    so a run repeats exactly."""
-    agent.activate()
-    temperature = agent.sampling.temperature
-    batches = [
-        (gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
-        for gen, adv in zip(generations, advantages)
-        for start, stop in _micro_batches(adv.shape[0], micro_batch_size)
-    ]
-    use_kl = config.kl_coef > 0
-    # A zero advantage contributes exactly zero gradient: without a KL term, skip its forward pass.
-    todo = [b for b, (_, adv) in enumerate(batches) if use_kl or adv.any()]
-    ref_logprobs: dict[int, torch.Tensor] = {}
-    if use_kl:  # before the threads start: the reference switches the whole (shared) model
-        with torch.no_grad(), agent.reference() as reference:
-            for b in todo:
-                ref_logprobs[b] = token_logprobs(reference, *_inputs(batches[b][0]), temperature=temperature)
+    :func:`_parallel_micro_batches`); each agent's gradients add up in its micro-batch order whichever
+    thread ends first, so a run repeats exactly, and each agent gets the gradients and statistics of its
+    own update. Several agents pool when they are LoRA adapters on one base (:func:`update_pools`): each
+    thread runs its micro-batch's agent's adapter, and the threads stay busy across agents (with two turns
+    at G=4, each agent's 5 micro-batches left one running alone on one of two threads)."""
+    model = agents[0].model
+    if len(agents) > 1 and not _poolable(agents):
+        raise ValueError("update_agents: several agents pool only as plain LoRA adapters of one shared model; "
+                         "update the others one at a time (update_pools says which pool)")
+    batches, todo, ref_logprobs, normalizers = [], [], {}, []
+    for k, (agent, agent_generations, turn_advantages) in enumerate(zip(agents, generations, advantages)):
         agent.activate()
-    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
-    params = [p for p in agent.parameters if p.requires_grad]
-    threads = _parallel_micro_batches(agent.model, params, parallel_micro_batches, len(todo))
-    old_logprobs: dict[int, torch.Tensor] = {}
+        agent_batches = [
+            (gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
+            for gen, adv in zip(agent_generations, turn_advantages)
+            for start, stop in _micro_batches(adv.shape[0], micro_batch_size)
+        ]
+        # A zero advantage contributes exactly zero gradient: without a KL term, skip its forward pass.
+        todo += [(k, b) for b, (_, adv) in enumerate(agent_batches) if config.kl_coef > 0 or adv.any()]
+        batches.append(agent_batches)
+        normalizers.append(loss_normalizer([gen.completion_mask for gen in agent_generations],
+                                           config.logprob_aggregation))
+        if config.kl_coef > 0:  # before the threads start: the reference switches the whole (shared) model
+            with torch.no_grad(), agent.reference() as reference:
+                for job in todo:
+                    if job[0] == k:
+                        ref_logprobs[job] = token_logprobs(reference, *_inputs(agent_batches[job[1]][0]),
+                                                           temperature=agent.sampling.temperature)
+    agents[0].activate()
+    if len(agents) > 1:  # the model's active adapter is the first agent's; every agent's trains
+        for agent in agents:
+            for param in agent.parameters:
+                param.requires_grad_(True)
+    params = [[p for p in agent.parameters if p.requires_grad] for agent in agents]
+    largest = max(params, key=lambda ps: sum(p.numel() for p in ps))  # what one thread's gradient holds
+    threads = _parallel_micro_batches(model, largest, parallel_micro_batches, len(todo))
+    old_logprobs: dict[tuple[int, int], torch.Tensor] = {}
+    stems: list[PromptStem | None] = [None] * len(agents)
 
-    def micro_batch_loss(b: int) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
-        """Micro-batch b's loss and stats; its gradient added to ``.grad`` (one thread) or returned."""
-        gen, adv_rows = batches[b]
+    def micro_batch_loss(job: tuple[int, int]) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
+        """Micro-batch ``job`` = (agent, index)'s loss and stats; its gradient added to ``.grad`` (one thread)
+        or returned."""
+        k, b = job
+        agent, (gen, adv_rows) = agents[k], batches[k][b]
         inputs = _inputs(gen)
-        logprobs = token_logprobs(agent.model, *inputs, temperature=temperature)
+        with _running(agent):
+            logprobs = token_logprobs(model, *inputs, temperature=agent.sampling.temperature, stem=stems[k])
         # No update has happened yet in the first pass, so the current policy is the sampling one.
-        old = old_logprobs.setdefault(b, logprobs.detach())
+        old = old_logprobs.setdefault(job, logprobs.detach())
         loss, stats = policy_loss(
             logprobs, old, adv_rows, inputs[3],
-            aggregation=config.logprob_aggregation, normalizer=normalizer,
+            aggregation=config.logprob_aggregation, normalizer=normalizers[k],
             epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-            ref_logprobs=ref_logprobs.get(b), kl_coef=config.kl_coef,
+            ref_logprobs=ref_logprobs.get(job), kl_coef=config.kl_coef,
         )
         if threads == 1:
             loss.backward()
             return float(loss.detach()), stats, None
-        return float(loss.detach()), stats, torch.autograd.grad(loss, params, allow_unused=True)
+        leaves = params[k] + (stems[k].leaves() if stems[k] else [])
+        return float(loss.detach()), stats, torch.autograd.grad(loss, leaves, allow_unused=True)
 
-    totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
-    agent.model.train()
+    totals = [{"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0} for _ in agents]
+    model.train()
     # Fused once for every thread: entering and leaving it per call would unfuse the layers under the others.
-    with active_adapter_fused(agent.model):
+    with active_adapter_fused(model) as fused:
+        if len(agents) > 1 and not fused:  # unfused layers would run the active adapter for every agent
+            raise RuntimeError("update_agents: the shared model's LoRA layers could not take an adapter per thread")
         for iteration in range(config.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum, clipped, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
-            for loss_value, stats, gradient in _in_threads(micro_batch_loss, todo, threads):
-                for param, grad in zip(params, gradient or ()):
+            sums = [{"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0} for _ in agents]
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            # Every agent's shared prompt opening, run once (with the weights of this pass) for its micro-batches.
+            for k, agent in enumerate(agents):
+                with _running(agent):
+                    stems[k] = prompt_stem(model, [batches[k][b][0] for owner, b in todo if owner == k])
+            for (k, _), (loss_value, stats, gradient) in zip(todo, _in_threads(micro_batch_loss, todo, threads)):
+                for param, grad in zip(params[k] + (stems[k].leaves() if stems[k] else []), gradient or ()):
                     if grad is None:
                         continue
                     if param.grad is None:  # in the parameter's layout, as backward() would leave it
                         param.grad = grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
                     else:
                         param.grad.add_(grad)
-                loss_sum += loss_value
-                clipped += stats["clip_fraction"] * stats["tokens"]
-                kl_sum += stats.get("kl", 0.0) * stats["tokens"]
-                tokens += stats["tokens"]
-            has_grad = any(p.grad is not None for p in agent.parameters)
-            norm = float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf"))) if has_grad else 0.0
-            optimizer.step()
-            scheduler.step()
-            totals["loss"] += loss_sum / config.num_iterations
-            totals["grad_norm"] += norm / config.num_iterations
-            totals["clip_fraction"] += clipped / max(tokens, 1) / config.num_iterations
-            totals["kl"] += kl_sum / max(tokens, 1) / config.num_iterations
-            totals["tokens"] = tokens
-    agent.model.eval()
+                sums[k]["loss"] += loss_value
+                sums[k]["clipped"] += stats["clip_fraction"] * stats["tokens"]
+                sums[k]["kl"] += stats.get("kl", 0.0) * stats["tokens"]
+                sums[k]["tokens"] += stats["tokens"]
+            for agent, stem, optimizer, scheduler, total, sum_ in zip(agents, stems, optimizers, schedulers, totals, sums):
+                if stem is not None:
+                    stem.backward([leaf.grad for leaf in stem.leaves()])
+                has_grad = any(p.grad is not None for p in agent.parameters)
+                norm = (float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf")))
+                        if has_grad else 0.0)
+                optimizer.step()
+                scheduler.step()
+                tokens = max(sum_["tokens"], 1)
+                total["loss"] += sum_["loss"] / config.num_iterations
+                total["grad_norm"] += norm / config.num_iterations
+                total["clip_fraction"] += sum_["clipped"] / tokens / config.num_iterations
+                total["kl"] += sum_["kl"] / tokens / config.num_iterations
+                total["tokens"] = sum_["tokens"]
+    model.eval()
+    agents[-1].activate()  # as after updating the agents one by one: the last one active, only its adapter trainable
     return totals
+
+
+def _running(agent: Agent) -> contextlib.AbstractContextManager:
+    """This thread's passes through the shared model run ``agent``'s adapter (a no-op for an agent with a
+    model of its own)."""
+    return adapter_in_this_thread(agent.adapter) if agent.adapter else contextlib.nullcontext()
+
+
+def update_pools(agents: Sequence[Agent], parallel_micro_batches: int) -> list[list[int]]:
+    """Which agents' updates run as one pool (:func:`update_agents`), as lists of indices: the agents on one
+    shared model with plain LoRA adapters, where micro-batches run in parallel (CPU threads, no dropout);
+    every other agent alone. Without threads a pool gains nothing, and an agent alone keeps the random
+    stream its own seed gives it."""
+    pools: dict[int, list[int]] = {}
+    for k, agent in enumerate(agents):
+        pools.setdefault(id(agent.model), []).append(k)
+    result = []
+    for pool in pools.values():
+        members = [agents[k] for k in pool]
+        if len(pool) > 1 and _poolable(members) and _parallel_micro_batches(
+                members[0].model, members[0].parameters, parallel_micro_batches, num_batches=len(pool)) > 1:
+            result.append(pool)
+        else:
+            result.extend([k] for k in pool)
+    return sorted(result)
+
+
+def _poolable(agents: Sequence[Agent]) -> bool:
+    """Whether ``agents`` are plain LoRA adapters of one model, which can run side by side, an adapter per thread."""
+    model = agents[0].model
+    return (all(agent.model is model and agent.adapter is not None for agent in agents)
+            and plain_lora_layers(model, [agent.adapter for agent in agents]) is not None)
 
 
 def _inputs(gen: Generation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation, derive_seed, generate
 from teamrl.team import Team
-from teamrl.train import make_optimizer, seed_everything, train_agent
+from teamrl.train import make_optimizer, seed_everything, train_agents
 
 PLACEMENT_TIMEOUT_S = 600.0
 """How long to wait for the cluster to reserve every agent's CPUs/GPUs before giving up with an error."""
@@ -84,8 +84,8 @@ class AgentWorker:
     def update(self, generations: list[Generation], advantages: list[torch.Tensor], seed: int) -> dict[str, float]:
         """The agent's update of a step (its completions of every turn and their advantages); its stats."""
         device = self.agent.parameters[0].device
-        return train_agent(self.agent, [_moved(g, device) for g in generations], advantages, self.optimizer,
-                           self.scheduler, self.config, seed)
+        return train_agents([self.agent], [[_moved(g, device) for g in generations]], [advantages], [self.optimizer],
+                            [self.scheduler], self.config, [seed])[0]
 
     def state(self) -> AgentState:
         """Trained parameters and optimiser and schedule state, for the driver's checkpoint."""

@@ -18,13 +18,14 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import (Cache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
+from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
                           TopKLogitsWarper, TopPLogitsWarper)
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
@@ -248,7 +249,7 @@ class _RowAdapters:
     def build(cls, model: torch.nn.Module, adapter_names: Sequence[str]) -> _RowAdapters:
         """The adapters named in ``adapter_names``, stacked per layer of ``model`` (or left to PEFT)."""
         names = list(dict.fromkeys(adapter_names))
-        modules = _plain_lora_layers(model, names)
+        modules = plain_lora_layers(model, names)
         if modules is None:
             return cls(model)  # not a plain LoRA linear layer: PEFT routes every layer
         layers = [(module, torch.cat([module.lora_A[n].weight for n in names]),
@@ -306,7 +307,7 @@ def _equal_runs(row_names: Sequence[str]) -> list[str] | None:
     return [name for name, _ in runs] if len({size for _, size in runs}) == 1 else None
 
 
-def _plain_lora_layers(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
+def plain_lora_layers(model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module] | None:
     """Every LoRA layer of ``model``, or None where one is not a plain linear A/B pair for each of
     ``names`` (DoRA and other variants, embeddings, convolutions) or has adapters merged into its base
     weights: PEFT's own forward then runs them."""
@@ -354,36 +355,55 @@ def _add_low_rank_grouped(output: torch.Tensor, x: torch.Tensor, a_blocks: torch
     return output
 
 
+_this_thread = threading.local()
+
+
+@contextlib.contextmanager
+def adapter_in_this_thread(name: str) -> Iterator[None]:
+    """While open, LoRA layers fused by :func:`active_adapter_fused` run adapter ``name`` for the calls this
+    thread makes, whichever adapter the model has active: the agents of one base then update side by side,
+    each on its own threads (:func:`teamrl.algorithms.magrpo.update_agents`)."""
+    previous = getattr(_this_thread, "adapter", None)
+    _this_thread.adapter = name
+    try:
+        yield
+    finally:
+        _this_thread.adapter = previous
+
+
 def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A plain LoRA layer's forward through adapter ``name``, by :func:`_add_low_rank`.
+    """A plain LoRA layer's forward through adapter ``name`` (or this thread's, :func:`adapter_in_this_thread`),
+    by :func:`_add_low_rank`.
 
     float32 adapters on a bfloat16 base run in bfloat16, as autocast runs them: the casts of the small A
     and B are differentiable (the float32 weights get the gradients), where casting every layer's input to
     float32 and its output back cost ~0.8 s of a ~8 s update (SmolLM2-135M, 2 CPU cores), and bfloat16
     GEMMs of a few hundred rows by rank 16 are 1.4-3x faster. (Decoding, 16 rows, keeps float32: there
     bfloat16's call overhead makes those GEMMs slower.)"""
+    name = getattr(_this_thread, "adapter", None) or name
     return _add_low_rank(layer.base_layer(x, *args, **kwargs), layer.lora_dropout[name](x),
                          layer.lora_A[name].weight.to(x.dtype), layer.lora_B[name].weight.to(x.dtype),
                          layer.scaling[name])
 
 
 @contextlib.contextmanager
-def active_adapter_fused(model: torch.nn.Module) -> Iterator[None]:
+def active_adapter_fused(model: torch.nn.Module) -> Iterator[bool]:
     """While open, each LoRA layer of ``model`` runs its one active adapter by :func:`_base_and_adapter`
     instead of PEFT's forward: the same function and gradients, with fewer passes over the layers'
     outputs. Models without plain LoRA layers, with several active adapters or with adapters disabled
-    run as they are."""
+    run as they are. Yields whether the layers are fused (here or by an enclosing call)."""
     from peft import PeftModel
 
     active = model.active_adapters if isinstance(model, PeftModel) else []
-    layers = _plain_lora_layers(model, active) if len(active) == 1 else None
+    layers = plain_lora_layers(model, active) if len(active) == 1 else None
     if not layers or any(layer.disable_adapters or _is_fused(layer) for layer in layers):
-        yield  # nothing to fuse, or an enclosing call (that will unfuse them) already did
+        # nothing to fuse, or an enclosing call (that will unfuse them) already did
+        yield bool(layers) and all(_is_fused(layer) for layer in layers)
         return
     for layer in layers:
         layer.forward = functools.partial(_base_and_adapter, layer, active[0])
     try:
-        yield
+        yield True
     finally:
         for layer in layers:
             del layer.forward
@@ -483,6 +503,93 @@ class _Sampler(LogitsProcessor):
         return torch.stack(self.logprobs, dim=1)
 
 
+@dataclass
+class PromptStem:
+    """The opening tokens that every prompt of an agent's update shares (chat template, role, the task's
+    text), run once per optimiser step (:func:`prompt_stem`).
+
+    Each micro-batch attends to the stem's keys and values instead of running those tokens again. They are
+    leaves of the autograd graph: the gradients the micro-batches leave on them add up, and
+    :meth:`backward` carries the sum into the model, as if each micro-batch had run the stem itself. With
+    two turns, an agent's turn-2 prompts repeat its turn-1 prompt's opening ahead of their own parts: ~150
+    of ~300 tokens on the side-by-side benchmark (docs/performance.md).
+    """
+
+    ids: torch.Tensor
+    """(S,) the shared tokens."""
+    keys: list[torch.Tensor]
+    """Per layer, (1, heads, S, head_dim): the leaves the micro-batches attend to."""
+    values: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    """The stem pass's own keys then values, whose graph :meth:`backward` runs."""
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[0]
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Keys then values: what a micro-batch's gradient is taken with respect to, besides the weights."""
+        return [*self.keys, *self.values]
+
+    def cache(self, rows: int) -> DynamicCache:
+        """A cache holding the stem for ``rows`` rows (views; each layer's first update copies them)."""
+        return DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
+                             for k, v in zip(self.keys, self.values)])
+
+    def remainder(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompts -> the same prompts after the stem, left-padded (padding ids zeroed)."""
+        width, lengths = prompt_ids.shape[1], prompt_mask.sum(dim=1)
+        offsets = torch.arange(self.length, device=prompt_ids.device)
+        heads = prompt_ids.gather(1, ((width - lengths)[:, None] + offsets).clamp(max=width - 1))
+        if bool((lengths <= self.length).any()) or not bool((heads == self.ids).all()):
+            raise ValueError("token_logprobs: a prompt does not start with the stem's tokens and go on after them")
+        rest = lengths - self.length
+        keep = int(rest.max())
+        mask = (torch.arange(keep, device=prompt_ids.device) >= keep - rest[:, None]).to(prompt_mask.dtype)
+        return prompt_ids[:, width - keep:] * mask, mask
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Carry the summed gradients of :meth:`leaves` through the stem pass into the model."""
+        pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+#: A pass of its own costs about as much as this many prompt tokens run again (measured on 2 CPU cores);
+#: shorter common openings run with each prompt.
+MIN_STEM_TOKENS = 16
+
+
+def prompt_stem(model: torch.nn.Module, generations: Sequence[Generation]) -> PromptStem | None:
+    """The pass over the longest opening every prompt of ``generations`` shares (leaving each at least one
+    token of its own), or None where sharing it saves nothing: under :data:`MIN_STEM_TOKENS`, a single
+    distinct prompt, or a model whose cache is not plain full attention (sliding windows, states)."""
+    stem_ids: torch.Tensor | None = None
+    distinct = set()
+    for gen in generations:
+        lengths = gen.prompt_mask.sum(dim=1)
+        width = gen.prompt_ids.shape[1]
+        span = int(lengths.min()) - 1 if stem_ids is None else min(int(lengths.min()) - 1, stem_ids.shape[0])
+        heads = gen.prompt_ids.gather(1, (width - lengths)[:, None] + torch.arange(max(span, 0), device=lengths.device))
+        stem_ids = heads[0] if stem_ids is None else stem_ids[:span]
+        agree = (heads == stem_ids).all(dim=0).long().cumprod(dim=0)
+        stem_ids = stem_ids[:int(agree.sum())]
+        distinct.update(hashlib.sha1(row[mask.bool()].numpy().tobytes()).digest()
+                        for row, mask in zip(gen.prompt_ids.cpu(), gen.prompt_mask.cpu()))
+    if stem_ids is None or stem_ids.shape[0] < MIN_STEM_TOKENS or len(distinct) < 2:
+        return None
+    with active_adapter_fused(model):
+        out = model(input_ids=stem_ids[None], position_ids=torch.arange(stem_ids.shape[0], device=stem_ids.device)[None],
+                    use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return None
+    outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
+    half = len(leaves) // 2
+    return PromptStem(stem_ids, leaves[:half], leaves[half:], outputs)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
@@ -490,6 +597,7 @@ def token_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
+    stem: PromptStem | None = None,
 ) -> torch.Tensor:
     """(B, C) log-prob of each completion token under ``model`` (temperature-scaled).
 
@@ -499,29 +607,38 @@ def token_logprobs(
     Rows that share a prompt (the G samples of a group) share its forward pass: each distinct prompt
     runs once, its key/value cache is copied to its rows (differentiably, so the prompt's gradient is
     the sum over its rows, as in G separate passes), and only the completions run per row. With
-    prompts much longer than completions this is close to G times less work.
+    prompts much longer than completions this is close to G times less work. With a ``stem`` (whose
+    tokens every prompt starts with), the prompts run only after it, attending to its keys and values.
 
     The last completion token is never fed to the model (nothing is trained on what it predicts), so the
     logits computed are exactly the ones scored: no (tokens x vocabulary) slice or copy of them is made.
     """
+    past = 0
+    if stem is not None:
+        prompt_ids, prompt_mask = stem.remainder(prompt_ids, prompt_mask)
+        past = stem.length
     unique_prompts, row_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0,
                                               return_inverse=True)
     num_prompt, num_completion = prompt_ids.shape[1], completion_ids.shape[1]
-    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    attention_mask = torch.cat([prompt_mask.new_ones(prompt_mask.shape[0], past), prompt_mask,
+                                completion_mask[:, :-1]], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:]
     with active_adapter_fused(model):
         if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
             logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
+                past_key_values=stem.cache(prompt_ids.shape[0]) if stem else None,
                 logits_to_keep=num_completion,
             ).logits
             return _ChosenLogProbs.apply(logits, completion_ids, temperature)
+        num_unique = unique_prompts.shape[0]
         prefix = model(
             input_ids=unique_prompts[:, :num_prompt],
-            attention_mask=unique_prompts[:, num_prompt:],
-            position_ids=position_ids[:, :num_prompt][_first_rows(row_prompt, unique_prompts.shape[0])],
+            attention_mask=torch.cat([attention_mask[:num_unique, :past], unique_prompts[:, num_prompt:]], dim=1),
+            position_ids=position_ids[:, :num_prompt][_first_rows(row_prompt, num_unique)],
+            past_key_values=stem.cache(num_unique) if stem else None,
             use_cache=True,
             logits_to_keep=1,  # the prompt's last position predicts the first completion token
         )
