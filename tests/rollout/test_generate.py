@@ -288,6 +288,41 @@ def test_lora_team_samples_in_one_call_and_each_row_is_its_own_adapters(tiny_con
         torch.testing.assert_close(gen.sampling_logprobs[on], own[on], atol=1e-4, rtol=0)
 
 
+def test_a_shared_prompt_opening_is_prefilled_once_per_agent_and_samples_what_training_scores(tiny_config,
+                                                                                            monkeypatch):
+    import teamrl.rollout.generate as generate_module
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    draw = torch.Generator().manual_seed(2)
+    words = WORDS[:10] + WORDS[11:]  # everything but "target"
+
+    def text(n: int) -> str:
+        return " ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=draw))
+
+    # Each agent's prompts open with its own 20 words (an agent's role and the task's text), then differ.
+    prompts = [[f"target {opening} target {text(n)}" for n in (2, 4, 3)] for opening in (text(20), text(20))]
+    stems = []
+    run_stem = generate_module._run_stem
+    monkeypatch.setattr(generate_module, "_run_stem", lambda *a, **k: stems.append(len(a[1])) or run_stem(*a, **k))
+
+    def sample() -> list[Generation]:
+        return generate_module.generate_team(team, prompts, 3, seed=5)
+
+    with_stems = sample()
+    assert stems == [22, 22]  # each agent's opening, once
+    for agent, gen in zip(team, with_stems):
+        agent.activate()
+        with torch.no_grad():
+            own = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        on = gen.completion_mask.bool()
+        torch.testing.assert_close(gen.sampling_logprobs[on], own[on], atol=1e-4, rtol=0)
+    monkeypatch.setattr(generate_module, "MIN_STEM_TOKENS", 10**6)
+    for shared, whole in zip(with_stems, sample()):  # the same tokens as one pass over every prompt
+        assert torch.equal(shared.completion_ids, whole.completion_ids)
+        torch.testing.assert_close(shared.sampling_logprobs, whole.sampling_logprobs, atol=1e-5, rtol=0)
+    assert stems == [22, 22]
+
+
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7)])
 def test_chosen_logprobs_equal_log_softmax_gather_in_value_and_gradient(dtype, temperature, monkeypatch):
     from teamrl.rollout.generate import _ChosenLogProbs

@@ -185,19 +185,80 @@ def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.T
     else get copies of them. None where there is nothing to share."""
     if num_samples == 1 or prompt_ids.shape[1] == 1:
         return None
-    with rows.route(adapter_names) as routing:
-        cache = agent.model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=(prompt_mask[:, :-1].cumsum(dim=1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-            **routing,
-        ).past_key_values
+    cache = _prefill(agent.model, prompt_ids[:, :-1], prompt_mask[:, :-1], rows, adapter_names)
     if shares_prefixes(agent.model, cache):
         return SharedPrefixCache(cache, prompt_mask[:, :-1], num_samples, agent.sampling.max_new_tokens)
     return _repeated_preallocated(cache, num_samples, agent.model.config,
                                   prompt_ids.shape[1] + agent.sampling.max_new_tokens)
+
+
+def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows: _RowAdapters,
+             adapter_names: list[str] | None) -> Cache:
+    """The keys and values of left-padded prompts ``ids`` (one row each, laid out as ``ids``), each through its
+    adapter. Where an agent's prompts share an opening of :data:`MIN_STEM_TOKENS` or more (the task's text
+    in every turn-2 prompt: ~150 of ~300 tokens on the side-by-side benchmark), the opening runs once and
+    each prompt only after it (:class:`PromptStem`); else all run in one pass."""
+    names = adapter_names or [None] * ids.shape[0]
+    groups: dict[str | None, list[int]] = {}
+    for row, name in enumerate(names):
+        groups.setdefault(name, []).append(row)
+    openings = {name: _common_opening(ids[members], mask[members]) for name, members in groups.items()
+                if len(members) > 1}
+    if not any(len(opening) >= MIN_STEM_TOKENS for opening in openings.values()):
+        return _prompt_pass(model, ids, mask, rows, adapter_names)
+    parts = []
+    for name, members in groups.items():
+        index = torch.tensor(members, device=ids.device)
+        opening = openings.get(name)
+        routed = None if adapter_names is None else [name] * len(members)
+        if opening is None or len(opening) < MIN_STEM_TOKENS:
+            parts.append((index, _prompt_pass(model, ids[index], mask[index], rows, routed), None))
+            continue
+        with rows.route(routed[:1] if routed else None) as routing:
+            stem = _run_stem(model, opening, **routing)
+        if stem is None:  # not a plain full-attention cache (sliding windows, states): one pass after all
+            return _prompt_pass(model, ids, mask, rows, adapter_names)
+        rest_ids, rest_mask = stem.remainder(ids[index], mask[index])
+        parts.append((index, _prompt_pass(model, rest_ids, rest_mask, rows, routed, stem), stem))
+    layers = []
+    for layer in range(len(parts[0][1].layers)):
+        first = parts[0][1].layers[layer].keys
+        keys = first.new_empty(ids.shape[0], first.shape[1], ids.shape[1], first.shape[3])
+        values = torch.empty_like(keys)
+        for index, part, stem in parts:
+            own_keys, own_values = part.layers[layer].keys, part.layers[layer].values
+            if stem is not None:
+                where = _laid_out(mask[index], stem.length, own_keys.shape[2])
+                where = where[:, None, :, None].expand(-1, own_keys.shape[1], -1, own_keys.shape[3])
+                own_keys, own_values = own_keys.gather(2, where), own_values.gather(2, where)
+            keys[index], values[index] = own_keys, own_values
+        layers.append((keys, values))
+    return DynamicCache(layers)
+
+
+def _laid_out(mask: torch.Tensor, stem_length: int, cached: int) -> torch.Tensor:
+    """(rows, columns of ``mask``): for prompts run as a stem and then the rest (``cached`` positions: the
+    stem's, then the rest left-padded), the cached position each column of the left-padded prompts takes,
+    so that the cache reads as one pass over them would have left it (padding columns take the first)."""
+    lengths = mask.sum(dim=1, keepdim=True)
+    token = torch.arange(mask.shape[1], device=mask.device)[None, :] - (mask.shape[1] - lengths)  # <0: padding
+    return torch.where(token < stem_length, token.clamp(min=0), cached - lengths + token)
+
+
+def _prompt_pass(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows: _RowAdapters,
+                 row_names: list[str] | None, stem: PromptStem | None = None) -> Cache:
+    past = 0 if stem is None else stem.length
+    full_mask = torch.cat([mask.new_ones(mask.shape[0], past), mask], dim=1)
+    with rows.route(row_names) as routing:
+        return model(
+            input_ids=ids,
+            attention_mask=full_mask,
+            position_ids=(full_mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:],
+            past_key_values=None if stem is None else stem.cache(ids.shape[0]),
+            use_cache=True,
+            logits_to_keep=1,
+            **routing,
+        ).past_key_values
 
 
 def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) -> Cache:
@@ -561,33 +622,47 @@ MIN_STEM_TOKENS = 16
 
 
 def prompt_stem(model: torch.nn.Module, generations: Sequence[Generation]) -> PromptStem | None:
-    """The pass over the longest opening every prompt of ``generations`` shares (leaving each at least one
-    token of its own), or None where sharing it saves nothing: under :data:`MIN_STEM_TOKENS`, a single
-    distinct prompt, or a model whose cache is not plain full attention (sliding windows, states)."""
-    stem_ids: torch.Tensor | None = None
+    """The pass (through the active adapter) over the longest opening every prompt of ``generations``
+    shares, leaving each at least one token of its own; None where sharing it saves nothing: under
+    :data:`MIN_STEM_TOKENS`, a single distinct prompt, or a model whose cache is not plain full attention
+    (sliding windows, states)."""
+    opening: torch.Tensor | None = None
     distinct = set()
     for gen in generations:
-        lengths = gen.prompt_mask.sum(dim=1)
-        width = gen.prompt_ids.shape[1]
-        span = int(lengths.min()) - 1 if stem_ids is None else min(int(lengths.min()) - 1, stem_ids.shape[0])
-        heads = gen.prompt_ids.gather(1, (width - lengths)[:, None] + torch.arange(max(span, 0), device=lengths.device))
-        stem_ids = heads[0] if stem_ids is None else stem_ids[:span]
-        agree = (heads == stem_ids).all(dim=0).long().cumprod(dim=0)
-        stem_ids = stem_ids[:int(agree.sum())]
+        opening = _common_opening(gen.prompt_ids, gen.prompt_mask, opening)
         distinct.update(hashlib.sha1(row[mask.bool()].numpy().tobytes()).digest()
                         for row, mask in zip(gen.prompt_ids.cpu(), gen.prompt_mask.cpu()))
-    if stem_ids is None or stem_ids.shape[0] < MIN_STEM_TOKENS or len(distinct) < 2:
+    if opening is None or opening.shape[0] < MIN_STEM_TOKENS or len(distinct) < 2:
         return None
     with active_adapter_fused(model):
-        out = model(input_ids=stem_ids[None], position_ids=torch.arange(stem_ids.shape[0], device=stem_ids.device)[None],
-                    use_cache=True, logits_to_keep=1)
+        return _run_stem(model, opening)
+
+
+def _common_opening(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                    reference: torch.Tensor | None = None) -> torch.Tensor:
+    """The longest run of tokens that every left-padded prompt (and ``reference``, where given) starts with,
+    leaving each prompt at least one token of its own."""
+    lengths, width = prompt_mask.sum(dim=1), prompt_ids.shape[1]
+    span = int(lengths.min()) - 1 if reference is None else min(int(lengths.min()) - 1, reference.shape[0])
+    offsets = torch.arange(max(span, 0), device=prompt_ids.device)
+    heads = prompt_ids.gather(1, (width - lengths)[:, None] + offsets)
+    reference = heads[0] if reference is None else reference[:span]
+    agree = (heads == reference).all(dim=0).long().cumprod(dim=0)
+    return reference[:int(agree.sum())]
+
+
+def _run_stem(model: torch.nn.Module, ids: torch.Tensor, **forward_kwargs) -> PromptStem | None:
+    """The pass over stem tokens ``ids`` (one row; ``forward_kwargs`` route it to an adapter); None where
+    the model's cache is not plain full attention."""
+    out = model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
+                use_cache=True, logits_to_keep=1, **forward_kwargs)
     cache = out.past_key_values
     if not all(type(layer) is DynamicLayer for layer in cache.layers):
         return None
     outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
     leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
     half = len(leaves) // 2
-    return PromptStem(stem_ids, leaves[:half], leaves[half:], outputs)
+    return PromptStem(ids, leaves[:half], leaves[half:], outputs)
 
 
 def token_logprobs(
