@@ -71,21 +71,26 @@ class _OneDnnLinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-#: The dtypes :class:`OneDnnLinear` runs on oneDNN's linear kernel.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes :class:`OneDnnLinear` runs on oneDNN's linear kernel: float32, and bfloat16 where this CPU
+    has bfloat16 instructions (AVX512-BF16, AMX; oneDNN has no bfloat16 linear on AVX2-only CPUs, where
+    such layers run as ``nn.Linear``)."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 class OneDnnLinear(nn.Linear):
     """An ``nn.Linear`` whose float32 and bfloat16 CPU forward and backward run on oneDNN's linear kernel
-    (see the module docstring). Anything else (another device or dtype, mixed dtypes, autocast) runs as a
-    plain ``nn.Linear``; parameters, state dict and ``isinstance`` checks (PEFT's, for LoRA) are those of
-    ``nn.Linear``."""
+    (see the module docstring; bfloat16 where the CPU supports it, :func:`onednn_dtypes`). Anything else
+    (another device or dtype, mixed dtypes, autocast) runs as a plain ``nn.Linear``; parameters, state dict
+    and ``isinstance`` checks (PEFT's, for LoRA) are those of ``nn.Linear``."""
 
     packed_weight: torch.Tensor | None = None
     """The weight in oneDNN's blocked layout, while :func:`packed_weights` holds it (gradient-free passes only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type != "cpu" or x.dtype not in ONEDNN_DTYPES or self.weight.dtype != x.dtype
+        if (x.device.type != "cpu" or x.dtype not in onednn_dtypes() or self.weight.dtype != x.dtype
                 or torch.is_autocast_enabled("cpu")):
             return super().forward(x)
         if self.packed_weight is not None and not torch.is_grad_enabled():
@@ -117,7 +122,7 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[None]:
     SmolLM2-135M took 90-95 instead of 112-128 ms (2 CPU cores), for 0.15 s of reordering and a second
     copy of those weights until the block ends. The weights must not change inside the block (generation
     does not change them)."""
-    layers = [m for m in model.modules() if isinstance(m, OneDnnLinear) and m.weight.dtype in ONEDNN_DTYPES
+    layers = [m for m in model.modules() if isinstance(m, OneDnnLinear) and m.weight.dtype in onednn_dtypes()
               and m.weight.device.type == "cpu"]
     try:
         for layer in layers:
