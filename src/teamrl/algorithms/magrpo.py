@@ -13,7 +13,7 @@ One training step for a batch of items:
    joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
    gets the mean over the joint actions it is in).
-4. Update, paper Eq. 2 (:func:`update_agent`): each agent, with its own optimiser, maximises
+4. Update, paper Eq. 2 (:func:`update_agents`): each agent, with its own optimiser, maximises
    mean_g A_g * log pi_theta_i(a_i^g | o_i) over its completions of every turn, with optional PPO-style
    clipping over several passes and a KL penalty to its reference.
 """
