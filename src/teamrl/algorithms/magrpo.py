@@ -217,6 +217,10 @@ def update_agents(
     old_logprobs: dict[tuple[int, int], torch.Tensor] = {}
     stems: list[PromptStem | None] = [None] * len(agents)
 
+    def gradient_targets(k: int) -> list[torch.Tensor]:
+        """Agent k's trained weights, then its shared prompt opening's keys and values (when it has one)."""
+        return params[k] + (stems[k].leaves() if stems[k] else [])
+
     def micro_batch_loss(job: tuple[int, int]) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
         """Micro-batch ``job`` = (agent, index)'s loss and stats; its gradient added to ``.grad`` (one thread)
         or returned."""
@@ -236,8 +240,7 @@ def update_agents(
         if threads == 1:
             loss.backward()
             return float(loss.detach()), stats, None
-        leaves = params[k] + (stems[k].leaves() if stems[k] else [])
-        return float(loss.detach()), stats, torch.autograd.grad(loss, leaves, allow_unused=True)
+        return float(loss.detach()), stats, torch.autograd.grad(loss, gradient_targets(k), allow_unused=True)
 
     totals = [{"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0} for _ in agents]
     model.train()
@@ -254,7 +257,7 @@ def update_agents(
                 with _running(agent):
                     stems[k] = prompt_stem(model, [batches[k][b][0] for owner, b in todo if owner == k])
             for (k, _), (loss_value, stats, gradient) in zip(todo, _in_threads(micro_batch_loss, todo, threads)):
-                for param, grad in zip(params[k] + (stems[k].leaves() if stems[k] else []), gradient or ()):
+                for param, grad in zip(gradient_targets(k), gradient or ()):
                     if grad is None:
                         continue
                     if param.grad is None:  # in the parameter's layout, as backward() would leave it
