@@ -120,7 +120,9 @@ class TeamConfig:
         "On CPU, run float32 and bfloat16 linear layers (those with at least 2^18 weights) through oneDNN's "
         "linear kernel: float32 instead of MKL (the same arithmetic, 1.3-2x faster GEMMs at LLM shapes), "
         "bfloat16 without torch.matmul's per-sequence weight copies on sliced inputs (see "
-        "docs/performance.md). No effect on other devices or dtypes, or where torch has no oneDNN.",
+        "docs/performance.md). Passes with gradients (the update) use it only on CPUs with AVX-512; on "
+        "AVX2-only CPUs MKL measured faster there, and oneDNN serves generation. No effect on other "
+        "devices or dtypes, or where torch has no oneDNN.",
         True,
     )
 

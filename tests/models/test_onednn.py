@@ -38,7 +38,9 @@ def _pair(in_features: int = 48, out_features: int = 40, bias: bool = True) -> t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(5, 48), (3, 7, 48), "transposed", "last position"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_forward_and_gradients_match_nn_linear(shape, bias, dtype, monkeypatch):
+@pytest.mark.parametrize("trains", [True, False], ids=["onednn-trains", "mkl-trains"])
+def test_forward_and_gradients_match_nn_linear(shape, bias, dtype, trains, monkeypatch):
+    monkeypatch.setattr(onednn, "onednn_trains", lambda: trains)  # both paths, whatever this CPU picks
     plain, fast = _pair(bias=bias)
     plain, fast = plain.to(dtype), fast.to(dtype)
     if shape == "transposed":
@@ -58,14 +60,23 @@ def test_forward_and_gradients_match_nn_linear(shape, bias, dtype, monkeypatch):
         (out * weights).sum().backward()
         outputs.append(out.detach())
         grads.append([xi.grad, layer.weight.grad] + ([layer.bias.grad] if bias else []))
-    # the oneDNN kernel ran (forward and input gradient), not nn.Linear's fallback; bfloat16 only where the
-    # CPU has bfloat16 instructions (oneDNN has no bfloat16 linear on AVX2-only CPUs)
-    assert bool(kernel_calls) == (dtype in onednn.onednn_dtypes())
+    # the oneDNN kernel ran (forward and input gradient), not nn.Linear's fallback, where passes with
+    # gradients go to oneDNN; bfloat16 only where the CPU has bfloat16 instructions (oneDNN has no bfloat16
+    # linear on AVX2-only CPUs)
+    assert len(kernel_calls) == (2 if trains and dtype in onednn.onednn_dtypes() else 0)
     tolerance = TOL if dtype == torch.float32 else BF16_TOL
     assert outputs[1].dtype == dtype
     torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
     for fast_grad, plain_grad in zip(grads[1], grads[0]):
         torch.testing.assert_close(fast_grad, plain_grad, **tolerance)
+
+
+def test_onednn_trains_where_the_cpu_has_avx512(monkeypatch):
+    for capability, trains in [("AVX512", True), ("AVX2", False), ("DEFAULT", False)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        onednn.onednn_trains.cache_clear()
+        assert onednn.onednn_trains() is trains
+    onednn.onednn_trains.cache_clear()
 
 
 def test_frozen_weight_gets_no_gradient_and_inference_needs_no_graph():

@@ -8,6 +8,9 @@ EPYC these docs are written on, SmolLM2-135M shapes, GFLOP/s MKL -> oneDNN:
     decoding, 16 rows:   576 -> 1536: 60-90 -> 120;  output layer 576 -> 49152: 35-40 -> 82
     update, 256 tokens:  576 -> 1536: 111-140 -> 171; 1536 -> 576: 117-122 -> 165
 
+That CPU has AVX-512. On an AVX2-only one, oneDNN still decodes faster from prepacked weights, but the
+update ran faster on MKL, so there passes with gradients stay on MKL (:func:`onednn_trains`).
+
 Both are float32 arithmetic (sums in another order, ~1e-6 relative). For small weights (a LoRA rank,
 the 576 -> 192 key/value projections) MKL's lower call overhead wins, so only layers with at least
 ``min_weights`` weights are switched.
@@ -80,9 +83,22 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
+@functools.cache
+def onednn_trains() -> bool:
+    """Whether passes with gradients (the update) run on oneDNN too, or as ``nn.Linear`` (MKL): oneDNN on
+    CPUs with AVX-512, where it measured faster (module docstring), MKL elsewhere. On a 2-core AVX2-only
+    AMD EPYC both agents' update of the side-by-side took 11.5-12.3 s with MKL against 14.8-17.2 s with
+    oneDNN (single turn; two turns 32-34 against 38-46 s, two micro-batches on one thread each), while
+    decoding still ran faster on oneDNN's packed weights (16 rows, 30 layers: 50-58 against 66-69 ms).
+    Part of oneDNN's cost there is building a kernel for each new number of rows (~5 ms the first time;
+    an update's micro-batches have as many row counts as completion lengths)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class OneDnnLinear(nn.Linear):
     """An ``nn.Linear`` whose float32 and bfloat16 CPU forward and backward run on oneDNN's linear kernel
-    (see the module docstring; bfloat16 where the CPU supports it, :func:`onednn_dtypes`). Anything else
+    (see the module docstring; bfloat16 where the CPU supports it, :func:`onednn_dtypes`; passes with
+    gradients only where :func:`onednn_trains`). Anything else
     (another device or dtype, mixed dtypes, autocast) runs as a plain ``nn.Linear``; parameters, state dict
     and ``isinstance`` checks (PEFT's, for LoRA) are those of ``nn.Linear``."""
 
@@ -97,6 +113,8 @@ class OneDnnLinear(nn.Linear):
             return _linear(x, self.packed_weight, self.bias)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
                                         or (self.bias is not None and self.bias.requires_grad)):
+            if not onednn_trains():
+                return super().forward(x)
             return _OneDnnLinearFunction.apply(x, self.weight, self.bias)
         return _linear(x, self.weight, self.bias)
 
