@@ -90,6 +90,61 @@ def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update
     assert pooled.team[1].parameters[0].requires_grad  # as after one-by-one updates: the last agent active
 
 
+def test_the_fast_update_gives_the_gradients_of_the_plain_loss(tiny_config, monkeypatch):
+    """Everything the update does for speed at once (both agents' micro-batches pooled on two threads, the
+    shared prompt opening run once, the fused adapters, the chosen-token log-prob function) against paper
+    Eq. 2's loss computed plainly: PEFT's forward over each whole prompt + completion and a log-softmax."""
+    from teamrl.algorithms.losses import loss_normalizer, policy_loss
+    from teamrl.rollout import generate as generate_module
+
+    monkeypatch.setattr(generate_module, "MIN_STEM_TOKENS", 2)  # the tiny task's prompts share a short opening
+    stems = []
+    stem_of = magrpo.prompt_stem
+    monkeypatch.setattr(magrpo, "prompt_stem", lambda *args: stems.append(stem_of(*args)) or stems[-1])
+    config = tiny_config(steps=1, items_per_step=2, team={"training": "lora", "lora": {"r": 4}},
+                         algorithm={"num_generations": 2, "num_turns": 2})
+    trainer = Trainer(config)
+    team = list(trainer.team)
+    torch.manual_seed(0)
+    with torch.no_grad():  # LoRA's B starts at zero: give every weight a gradient to compare
+        for agent in team:
+            for param in agent.parameters:
+                param.add_(torch.randn_like(param) * 0.05)
+    tree = magrpo.rollout(magrpo.team_sampler(trainer.team), trainer.env, trainer.items[:2], config.algorithm)
+    advantages, _ = magrpo.advantages(tree, 2, config.algorithm)
+    generations = [[t.generations[i] for t in tree.turns] for i in range(2)]
+    optimizers = [torch.optim.SGD(agent.parameters, lr=0.0) for agent in team]  # compare gradients only
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0) for optimizer in optimizers]
+    assert magrpo.update_pools(team, config.optim.parallel_micro_batches) == [[0, 1]]
+    train_agents(team, generations, advantages, optimizers, schedulers, config, [1, 2])
+    assert len(stems) == 2 and all(stem is not None for stem in stems)
+    fast = [[p.grad.clone() for p in agent.parameters] for agent in team]
+
+    model = team[0].model
+    model.train()
+    for k, agent in enumerate(team):
+        agent.activate()
+        for param in agent.parameters:
+            param.grad = None
+        normalizer = loss_normalizer([g.completion_mask for g in generations[k]], config.algorithm.logprob_aggregation)
+        for gen, adv in zip(generations[k], advantages[k]):
+            ids = torch.cat([gen.prompt_ids, gen.completion_ids], 1)
+            mask = torch.cat([gen.prompt_mask, gen.completion_mask], 1)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            scored = logits[:, gen.prompt_ids.shape[1] - 1:-1] / agent.sampling.temperature
+            logprobs = torch.log_softmax(scored, -1).gather(-1, gen.completion_ids.unsqueeze(-1)).squeeze(-1)
+            logprobs = logprobs * gen.completion_mask
+            loss, _ = policy_loss(logprobs, logprobs.detach(), adv, gen.completion_mask,
+                                  aggregation=config.algorithm.logprob_aggregation, normalizer=normalizer,
+                                  epsilon_low=config.algorithm.epsilon_low, epsilon_high=config.algorithm.epsilon_high,
+                                  ref_logprobs=None, kl_coef=0.0)
+            loss.backward()
+        assert any(p.grad.abs().sum() > 0 for p in agent.parameters)
+        for mine, plain in zip(fast[k], (p.grad for p in agent.parameters)):
+            torch.testing.assert_close(mine, plain, rtol=1e-4, atol=1e-6)
+    model.eval()
+
+
 def test_only_lora_agents_on_one_base_with_threads_pool(tiny_config):
     lora = Trainer(tiny_config(steps=1, team={"training": "lora", "lora": {"r": 4}}))
     assert magrpo.update_pools(list(lora.team), 2) == [[0, 1]]
