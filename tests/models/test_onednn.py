@@ -72,11 +72,13 @@ def test_forward_and_gradients_match_nn_linear(shape, bias, dtype, trains, monke
 
 
 def test_onednn_trains_where_the_cpu_has_avx512(monkeypatch):
-    for capability, trains in [("AVX512", True), ("AVX2", False), ("DEFAULT", False)]:
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    try:
+        for capability, trains in [("AVX512", True), ("AVX2", False), ("DEFAULT", False)]:
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            onednn.onednn_trains.cache_clear()
+            assert onednn.onednn_trains() is trains
+    finally:  # later tests see this CPU's answer, not a pretended one
         onednn.onednn_trains.cache_clear()
-        assert onednn.onednn_trains() is trains
-    onednn.onednn_trains.cache_clear()
 
 
 def test_frozen_weight_gets_no_gradient_and_inference_needs_no_graph():
