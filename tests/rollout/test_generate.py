@@ -466,6 +466,82 @@ def _lora_team_with_distinct_adapters(tiny_config, scale: float = 0.3, **team):
     return trainer.team
 
 
+@pytest.mark.parametrize("num_samples,use_stem", [(3, False), (3, True), (1, False)])
+def test_an_update_pass_on_the_sampling_weights_takes_the_output_layer_from_sampling(tiny_config, num_samples,
+                                                                                     use_stem):
+    """With what sampling recorded (its log-probs and the policy-averaged output rows), token_logprobs skips the
+    output layer: the same log-probs and the same gradient of every adapter weight as the full pass, through
+    the prompt-sharing path (G=3), with a shared opening, and the single-pass path (G=1); temperature 0.7."""
+    import teamrl.rollout.generate as generate_module
+
+    team = _lora_team_with_distinct_adapters(tiny_config, sampling={"max_new_tokens": 6, "temperature": 0.7})
+    prompts = [[f"target {' '.join(WORDS[k:k + 6])} target {WORDS[k + n]}" for k, n in ((0, 1), (4, 2))]
+               for _ in team]
+    generations = generate_module.generate_team(team, prompts, num_samples, seed=3, record_unembedding=True)
+    for agent, gen in zip(team, generations):
+        assert gen.expected_unembedding.shape == (*gen.completion_ids.shape, agent.model.config.hidden_size)
+        agent.activate()
+        weights = torch.randn(gen.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+
+        def run(reuse: bool):
+            agent.model.zero_grad(set_to_none=True)
+            stem = prompt_stem(agent.model, [gen]) if use_stem else None
+            sampled = (gen.sampling_logprobs, gen.expected_unembedding) if reuse else None
+            logprobs = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                                      gen.completion_mask, temperature=0.7, stem=stem, sampled=sampled)
+            (logprobs * weights * gen.completion_mask).sum().backward()
+            if stem is not None:
+                stem.backward([leaf.grad for leaf in stem.leaves()])
+            return logprobs.detach() * gen.completion_mask, {n: p.grad.clone() for n, p in
+                                                             agent.model.named_parameters() if p.grad is not None}
+
+        reused, reused_grads = run(True)
+        full, full_grads = run(False)
+        assert torch.equal(reused, gen.sampling_logprobs)  # the recorded values themselves
+        torch.testing.assert_close(reused, full, atol=1e-5, rtol=0)
+        assert set(reused_grads) == set(full_grads) and any(g.abs().sum() > 0 for g in full_grads.values())
+        for name, grad in full_grads.items():
+            torch.testing.assert_close(reused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_an_update_pass_runs_the_output_layer_where_sampling_disagrees_with_it(tiny_config, monkeypatch):
+    """A model whose logits are not its output layer of the decoder's last hidden state (here: the recorded
+    log-probs shifted, as a logit scale would) is caught on one position and gets the full pass, with a warning."""
+    import teamrl.rollout.generate as generate_module
+
+    team = _lora_team_with_distinct_adapters(tiny_config)
+    gen = generate_module.generate_team(team, [["target 1 2 3"], ["target 4 5"]], 2, seed=0,
+                                        record_unembedding=True)[0]
+    team[0].activate()
+    inputs = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    with torch.no_grad():
+        full = token_logprobs(team[0].model, *inputs)
+        with pytest.warns(RuntimeWarning, match="not its output layer of the decoder's last hidden state"):
+            checked = token_logprobs(team[0].model, *inputs,
+                                     sampled=(gen.sampling_logprobs + 0.01, gen.expected_unembedding))
+    torch.testing.assert_close(checked, full)
+
+
+def test_sampling_records_the_expected_output_rows_only_for_a_frozen_float32_output_layer(tiny_config):
+    from teamrl.rollout.generate import frozen_unembedding
+    from teamrl.train import Trainer
+
+    lora = _lora_team_with_distinct_adapters(tiny_config)
+    head = lora[0].model.get_output_embeddings()
+    assert frozen_unembedding(lora[0].model).data_ptr() == head.weight.data_ptr()
+    plain = generate(lora[0], ["target 1 2"], 2, seed=0)
+    assert plain.expected_unembedding is None  # not asked for: evaluation and inference pay nothing
+    recorded = generate(lora[0], ["target 1 2"], 2, seed=0, record_unembedding=True)
+    assert torch.equal(recorded.completion_ids, plain.completion_ids)  # the samples do not change
+    rows = recorded.rows(1, 2).trimmed()
+    assert rows.expected_unembedding.shape == (1, rows.completion_ids.shape[1], head.in_features)
+    full = Trainer(tiny_config(steps=1)).team[0]  # full fine-tuning trains the output layer: its own logits
+    assert frozen_unembedding(full.model) is None
+    assert generate(full, ["target 1 2"], 2, seed=0, record_unembedding=True).expected_unembedding is None
+    bf16 = _lora_team_with_distinct_adapters(tiny_config, dtype="bfloat16")
+    assert frozen_unembedding(bf16[0].model) is None
+
+
 @pytest.mark.parametrize("layout", ["uneven", "blocks"])
 def test_stacked_adapters_compute_what_peft_routing_computes(tiny_config, monkeypatch, layout):
     import teamrl.rollout.generate as generate_module
