@@ -85,7 +85,7 @@ def team_sampler(team: Team) -> SampleFn:
 
     def sample(observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         prompts = [[agent.prompt(o) for o in obs] for agent, obs in zip(team, observations)]
-        return generate_team(team, prompts, num_samples, seed=seed, record_unembedding=True)
+        return generate_team(team, prompts, num_samples, seed=seed)
 
     return sample
 
@@ -216,8 +216,6 @@ def update_agents(
     threads = _parallel_micro_batches(model, largest, parallel_micro_batches, len(todo))
     old_logprobs: dict[tuple[int, int], torch.Tensor] = {}
     stems: list[PromptStem | None] = [None] * len(agents)
-    # A training pass draws the same outputs as sampling did only without dropout masks.
-    deterministic = not _uses_dropout(model)
 
     def gradient_targets(k: int) -> list[torch.Tensor]:
         """Agent k's trained weights, then its shared prompt opening's keys and values (when it has one)."""
@@ -229,14 +227,9 @@ def update_agents(
         k, b = job
         agent, (gen, adv_rows) = agents[k], batches[k][b]
         inputs = _inputs(gen)
-        # No update has happened yet in the first pass, so the current policy is the sampling one: its
-        # output layer's part of the pass can come from sampling.
-        first_pass = job not in old_logprobs
-        sampled = ((gen.sampling_logprobs, gen.expected_unembedding)
-                   if first_pass and deterministic and gen.expected_unembedding is not None else None)
         with _running(agent):
-            logprobs = token_logprobs(model, *inputs, temperature=agent.sampling.temperature, stem=stems[k],
-                                      sampled=sampled)
+            logprobs = token_logprobs(model, *inputs, temperature=agent.sampling.temperature, stem=stems[k])
+        # No update has happened yet in the first pass, so the current policy is the sampling one.
         old = old_logprobs.setdefault(job, logprobs.detach())
         loss, stats = policy_loss(
             logprobs, old, adv_rows, inputs[3],

@@ -79,7 +79,7 @@ class AgentWorker:
     def generate(self, observations: list[str], num_samples: int, seed: int) -> Generation:
         """``num_samples`` completions of each observation, prompted in the agent's role, on the CPU."""
         prompts = [self.agent.prompt(observation) for observation in observations]
-        return _moved(generate(self.agent, prompts, num_samples, seed=seed, record_unembedding=True), "cpu")
+        return _moved(generate(self.agent, prompts, num_samples, seed=seed), "cpu")
 
     def update(self, generations: list[Generation], advantages: list[torch.Tensor], seed: int) -> dict[str, float]:
         """The agent's update of a step (its completions of every turn and their advantages); its stats."""

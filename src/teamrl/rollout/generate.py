@@ -19,7 +19,6 @@ import functools
 import hashlib
 import itertools
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,13 +50,6 @@ class Generation:
     """(B, C) log-prob of each sampled token under the temperature-scaled policy that sampled it (0 where masked)."""
     texts: list[str]
     """Decoded completions (special tokens dropped)."""
-    expected_unembedding: torch.Tensor | None = None
-    """(B, C, H) or None: at each sampled position, the output layer's rows averaged under the
-    temperature-scaled policy that sampled it, ``sum_y pi(y) W_y``. With the chosen token's row ``W_c`` it
-    gives the gradient of that token's log-prob with respect to the final hidden state,
-    ``(W_c - sum_y pi(y) W_y) / temperature``, which lets the update's first pass skip the output layer
-    (:func:`token_logprobs`, ``sampled=``). Recorded only on request (``generate(record_unembedding=True)``),
-    for a float32 output layer that does not train."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,19 +60,16 @@ class Generation:
         """Rows ``start:stop``, without the prompt padding columns that none of them needs."""
         mask = self.prompt_mask[start:stop]
         first = int(mask.any(dim=0).nonzero()[0]) if mask.any() else mask.shape[1]
-        expected = self.expected_unembedding
         return Generation(self.prompt_ids[start:stop, first:], mask[:, first:], self.completion_ids[start:stop],
                           self.completion_mask[start:stop], self.sampling_logprobs[start:stop],
-                          self.texts[start:stop], None if expected is None else expected[start:stop])
+                          self.texts[start:stop])
 
     def trimmed(self) -> Generation:
         """The same rows without the completion positions after every row's end (they are never trained,
         and a forward pass over them is wasted work)."""
         width = int(self.completion_mask.sum(dim=1).max()) if self.completion_mask.numel() else 0
-        expected = self.expected_unembedding
         return Generation(self.prompt_ids, self.prompt_mask, self.completion_ids[:, :width],
-                          self.completion_mask[:, :width], self.sampling_logprobs[:, :width], self.texts,
-                          None if expected is None else expected[:, :width])
+                          self.completion_mask[:, :width], self.sampling_logprobs[:, :width], self.texts)
 
 
 class TeamSampler(Protocol):
@@ -138,22 +127,19 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch
 
 @torch.no_grad()
 def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None, *,
-             seed: int | None = None, record_unembedding: bool = False) -> Generation:
+             seed: int | None = None) -> Generation:
     """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
 
     ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
     same batch, each row through its own adapter (:class:`_RowAdapters`); ``agent`` then only
     supplies the tokenizer and sampling settings. ``seed``: sample from a stream of its own (see
-    :func:`seeded`) instead of torch's global one. ``record_unembedding``: also record
-    :attr:`Generation.expected_unembedding` where the output layer allows it (:func:`frozen_unembedding`),
-    for an update that follows with these weights.
+    :func:`seeded`) instead of torch's global one.
     """
     tokenizer = agent.tokenizer
     device = next(agent.model.parameters()).device
     prompt_ids, prompt_mask = (t.to(device) for t in encode_prompts(agent, prompts))
     sampling = agent.sampling
-    sampler = _Sampler(sampling.temperature, sampling.top_k, sampling.top_p,
-                       unembedding=frozen_unembedding(agent.model) if record_unembedding else None)
+    sampler = _Sampler(sampling.temperature, sampling.top_k, sampling.top_p)
     if adapter_names is None:
         agent.activate()
         rows = _RowAdapters()
@@ -187,19 +173,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
         completion_mask=mask,
         sampling_logprobs=logprobs,
         texts=decode_completions(tokenizer, completion_ids, mask),
-        expected_unembedding=sampler.expected_unembedding(),
     )
-
-
-def frozen_unembedding(model: torch.nn.Module) -> torch.Tensor | None:
-    """The weight (vocabulary x hidden) of ``model``'s output layer where the update may take its part of the
-    gradient from sampling (:attr:`Generation.expected_unembedding`): a plain float32 linear layer whose
-    weight does not train (LoRA agents; not full fine-tuning, nor an adapter or a trained copy on the output
-    layer itself, whose gradient needs the update's own logits). Else None."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or head.weight.requires_grad or head.weight.dtype != torch.float32:
-        return None
-    return head.weight.detach()
 
 
 def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
@@ -497,8 +471,7 @@ def active_adapter_fused(model: torch.nn.Module) -> Iterator[bool]:
 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                  concurrent: bool = False, seed: int | None = None,
-                  record_unembedding: bool = False) -> list[Generation]:
+                  concurrent: bool = False, seed: int | None = None) -> list[Generation]:
     """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
 
     Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
@@ -512,7 +485,6 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
     actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
     layout. Threads would share torch's one global RNG, hence not with ``concurrent``.
-    ``record_unembedding``: see :func:`generate` (not recorded by another engine).
     """
     if team.sampler is not None:
         return team.sampler.generate_team(team, prompts, num_samples, seed=seed)
@@ -530,12 +502,10 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
             all(a.sampling == agents[0].sampling for a in agents)
         if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i),
-                                record_unembedding=record_unembedding) for i in indices}
+            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i)) for i in indices}
         rows = [p for i in indices for p in prompts[i]]
         names = [team[i].adapter for i in indices for _ in prompts[i]]
-        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]),
-                          record_unembedding=record_unembedding)
+        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]))
         out, start = {}, 0
         for i in indices:
             stop = start + len(prompts[i]) * num_samples
@@ -564,21 +534,13 @@ class _Sampler(LogitsProcessor):
     recorded is under the temperature-scaled policy, before top-k/top-p (as ``token_logprobs`` computes it
     in training), holding one step of log-probs at a time: a step's token is only known at the next call
     (or from the final sequences). ``top_k``/``top_p`` filter with transformers' own warpers.
-
-    Given the output layer's ``unembedding`` weight, it also records each step's ``policy @ unembedding``
-    (:attr:`Generation.expected_unembedding`), from the same tempered policy: a (rows x vocabulary) by
-    (vocabulary x hidden) product per step, where the update would run the output layer forward over every
-    completion token again.
     """
 
-    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                 unembedding: torch.Tensor | None = None):
+    def __init__(self, temperature: float, top_k: int = 0, top_p: float = 1.0):
         self.temperature = temperature
         self.warpers = LogitsProcessorList(
             ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
-        self.unembedding = unembedding
         self.logprobs: list[torch.Tensor] = []
-        self.expected: list[torch.Tensor] = []
         self._pending: torch.Tensor | None = None
 
     def _record(self, tokens: torch.Tensor) -> None:
@@ -589,10 +551,7 @@ class _Sampler(LogitsProcessor):
         self._record(input_ids[:, -1])
         logits = scores.float() / self.temperature
         self._pending = torch.log_softmax(logits, dim=-1)
-        policy = self._pending.exp() if self.unembedding is not None or not self.warpers else None
-        if self.unembedding is not None:
-            self.expected.append(policy @ self.unembedding)
-        probs = torch.softmax(self.warpers(input_ids, logits), dim=-1) if self.warpers else policy
+        probs = torch.softmax(self.warpers(input_ids, logits), dim=-1) if self.warpers else self._pending.exp()
         cumulative = probs.cumsum(dim=-1)
         draw = torch.rand(cumulative.shape[0], 1, device=cumulative.device) * cumulative[:, -1:]
         tokens = torch.searchsorted(cumulative, draw, right=True).clamp_(max=cumulative.shape[1] - 1)
@@ -603,10 +562,6 @@ class _Sampler(LogitsProcessor):
         self._record(last_tokens)
         self._pending = None
         return torch.stack(self.logprobs, dim=1)
-
-    def expected_unembedding(self) -> torch.Tensor | None:
-        """(B, C, H) :attr:`Generation.expected_unembedding`, or None where not recorded."""
-        return torch.stack(self.expected, dim=1) if self.unembedding is not None else None
 
 
 @dataclass
@@ -718,7 +673,6 @@ def token_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     stem: PromptStem | None = None,
-    sampled: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(B, C) log-prob of each completion token under ``model`` (temperature-scaled).
 
@@ -733,16 +687,7 @@ def token_logprobs(
 
     The last completion token is never fed to the model (nothing is trained on what it predicts), so the
     logits computed are exactly the ones scored: no (tokens x vocabulary) slice or copy of them is made.
-
-    ``sampled`` = (the sampling log-probs, :attr:`Generation.expected_unembedding`), for weights that are
-    still those that sampled the completions (an update's first pass): the output layer is not run at all.
-    The log-probs are the sampling ones, and their gradient with respect to the final hidden states is
-    ``(W_c - sum_y pi(y) W_y) / temperature`` from what sampling recorded (:class:`_ReusedLogProbs`); the
-    output layer's forward and its input gradient were ~1/7 of an update's arithmetic on SmolLM2-135M. One
-    position is checked against the output layer on the hidden state the pass computed; where they differ
-    (a model that rescales its hidden states or logits around the output layer), the pass runs in full.
     """
-    whole_prompts = (prompt_ids, prompt_mask)
     past = 0
     if stem is not None:
         prompt_ids, prompt_mask = stem.remainder(prompt_ids, prompt_mask)
@@ -753,110 +698,38 @@ def token_logprobs(
     attention_mask = torch.cat([prompt_mask.new_ones(prompt_mask.shape[0], past), prompt_mask,
                                 completion_mask[:, :-1]], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:]
-    decoder = None if sampled is None else _decoder(model)
-
-    def run(keep: int, **inputs) -> tuple[torch.Tensor, Cache | None]:
-        """The last ``keep`` positions' logits, or their final hidden states when reusing sampling's."""
-        if decoder is None:
-            out = model(**inputs, logits_to_keep=keep)
-            return out.logits, out.past_key_values
-        out = decoder(**inputs)
-        return out.last_hidden_state[:, -keep:], out.past_key_values
-
-    def scored(states: torch.Tensor, columns: slice) -> torch.Tensor:
-        if decoder is None:
-            return _ChosenLogProbs.apply(states, completion_ids[:, columns], temperature)
-        logprobs, expected = sampled
-        return _ReusedLogProbs.apply(states, logprobs[:, columns], expected[:, columns],
-                                     model.get_output_embeddings().weight.detach()[completion_ids[:, columns]],
-                                     temperature)
-
-    def recompute() -> torch.Tensor:
-        return token_logprobs(model, *whole_prompts, completion_ids, completion_mask, temperature, stem)
-
     with active_adapter_fused(model):
         if unique_prompts.shape[0] == prompt_ids.shape[0]:  # nothing shared: one pass over prompt + completion
-            states, _ = run(
-                num_completion,
+            logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 past_key_values=stem.cache(prompt_ids.shape[0]) if stem else None,
-            )
-            if decoder is not None and not _reuse_holds(model, states[0, 0], completion_ids[0, 0], sampled, temperature):
-                return recompute()
-            return scored(states, slice(None))
+                logits_to_keep=num_completion,
+            ).logits
+            return _ChosenLogProbs.apply(logits, completion_ids, temperature)
         num_unique = unique_prompts.shape[0]
-        prefix_states, cache = run(
-            1,  # the prompt's last position predicts the first completion token
+        prefix = model(
             input_ids=unique_prompts[:, :num_prompt],
             attention_mask=torch.cat([attention_mask[:num_unique, :past], unique_prompts[:, num_prompt:]], dim=1),
             position_ids=position_ids[:, :num_prompt][_first_rows(row_prompt, num_unique)],
             past_key_values=stem.cache(num_unique) if stem else None,
             use_cache=True,
+            logits_to_keep=1,  # the prompt's last position predicts the first completion token
         )
-        if decoder is not None and not _reuse_holds(model, prefix_states[row_prompt[0], 0], completion_ids[0, 0],
-                                                    sampled, temperature):
-            return recompute()
-        first = scored(prefix_states[row_prompt], slice(0, 1))
+        first = _ChosenLogProbs.apply(prefix.logits[row_prompt], completion_ids[:, :1], temperature)
         if num_completion == 1:
             return first
+        cache = prefix.past_key_values
         cache.reorder_cache(row_prompt)
-        rest, _ = run(
-            num_completion - 1,
+        rest = model(
             input_ids=completion_ids[:, :-1],
             attention_mask=attention_mask,
             position_ids=position_ids[:, num_prompt:],
             past_key_values=cache,
-        )
-        return torch.cat([first, scored(rest, slice(1, None))], dim=1)
-
-
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformer under ``model``'s output layer (through PEFT's wrapper: its LoRA layers sit inside)."""
-    from peft import PeftModel
-
-    return (model.get_base_model() if isinstance(model, PeftModel) else model).get_decoder()
-
-
-#: How far (in nats) the output layer on a pass's hidden state may put a sampled token's log-prob from the
-#: one sampling recorded before the pass runs in full: float32 sums in another order differ by ~1e-5.
-REUSE_TOLERANCE = 1e-3
-
-
-def _reuse_holds(model: torch.nn.Module, hidden: torch.Tensor, token: torch.Tensor,
-                 sampled: tuple[torch.Tensor, torch.Tensor], temperature: float) -> bool:
-    """Whether the output layer on ``hidden`` (the final hidden state before row 0's first completion token)
-    gives the log-prob sampling recorded for it: logits are then the output layer of the decoder's last
-    hidden state, as :class:`_ReusedLogProbs` takes them to be."""
-    with torch.no_grad():
-        logprob = torch.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, dim=-1)[token]
-    if abs(float(logprob) - float(sampled[0][0, 0])) <= REUSE_TOLERANCE:
-        return True
-    warnings.warn(f"token_logprobs: the output layer on the update's hidden state gives {float(logprob):.5f} for a "
-                  f"token sampled at {float(sampled[0][0, 0]):.5f}; this model's logits are not its output layer "
-                  "of the decoder's last hidden state (or the weights changed since sampling): running the output "
-                  "layer in the update", RuntimeWarning, stacklevel=3)
-    return False
-
-
-class _ReusedLogProbs(torch.autograd.Function):
-    """The sampling log-probs of the chosen tokens as a function of the final hidden states: the value is the
-    recorded one, and the gradient with respect to ``hidden`` is ``grad * (W_c - expected) / temperature``,
-    the log-softmax's gradient ``(onehot_c - pi) / temperature`` carried through the output layer ``W``."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, logprobs: torch.Tensor, expected: torch.Tensor,
-                chosen_rows: torch.Tensor, temperature: float) -> torch.Tensor:
-        ctx.save_for_backward(expected, chosen_rows)
-        ctx.temperature, ctx.dtype = temperature, hidden.dtype
-        return logprobs.to(torch.float32).clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        expected, chosen_rows = ctx.saved_tensors
-        direction = (chosen_rows - expected).mul_(grad.unsqueeze(-1) / ctx.temperature)
-        return direction.to(ctx.dtype), None, None, None, None
+            logits_to_keep=num_completion - 1,
+        ).logits
+        return torch.cat([first, _ChosenLogProbs.apply(rest, completion_ids[:, 1:], temperature)], dim=1)
 
 
 class _ChosenLogProbs(torch.autograd.Function):
