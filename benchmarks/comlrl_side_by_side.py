@@ -196,6 +196,7 @@ COLUMNS = (
     ("joint_actions_per_second", "joint actions/s", "{:.3f}"),
     ("tokens_per_second", "gen tokens/s", "{:.1f}"),
     ("peak_rss_gb", "peak RSS GB", "{:.2f}"),
+    ("train_peak_rss_gb", "training peak RSS GB", "{:.2f}"),
     ("reward_before", "reward before", "{:.3f}"),
     ("reward_after", "reward after", "{:.3f}"),
 )
@@ -296,7 +297,9 @@ def run_worker(python: str, library: str, spec: RunSpec, work_dir: Path) -> dict
     """Run one library on ``spec`` in a subprocess; its result plus the subprocess's peak RSS.
 
     Peak RSS comes from ``wait4`` on that process: the largest resident set of the worker and of any
-    process it waited for, so each library is measured alone, whatever ran before it.
+    process it waited for, so each library is measured alone, whatever ran before it. The worker resets
+    the kernel's peak when training starts (to report training's own, ``train_peak_rss_gb``), which
+    ``wait4`` then no longer sees: the worker's own reading of the earlier peak is taken into account.
     """
     entrant = "teamrl-lora" if library == "teamrl" and spec.teamrl_training == "lora" else library
     tag = f"{entrant}-{spec.turns}turn-seed{spec.seed}"
@@ -318,7 +321,7 @@ def run_worker(python: str, library: str, spec: RunSpec, work_dir: Path) -> dict
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"{library} worker failed (exit {process.returncode}); log {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
-    result["peak_rss_gb"] = usage.ru_maxrss * 1024 / 1e9  # Linux reports kilobytes
+    result["peak_rss_gb"] = max(usage.ru_maxrss * 1024 / 1e9, result.get("setup_peak_rss_gb") or 0.0)  # Linux: KB
     return result
 
 

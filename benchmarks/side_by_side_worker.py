@@ -10,12 +10,13 @@ the prompts, the reward, the between-turn observation, the evaluation — is def
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,32 @@ def tokens_until_eos(tokens: torch.Tensor, eos_token_id: int) -> int:
     return int(hits[0]) + 1 if hits.numel() else int(tokens.numel())
 
 
+def _rss_status_gb(field: str) -> float | None:
+    """A memory field of ``/proc/self/status`` (``VmHWM``: peak resident set; ``VmRSS``: current) in GB."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 / 1e9 for line in lines if line.startswith(f"{field}:")), None)
+
+
+@contextlib.contextmanager
+def training_memory(result: dict[str, Any]) -> Iterator[None]:
+    """Record in ``result`` the peak RSS before the block (loading, the first evaluation: ``setup_peak_rss_gb``)
+    and within it alone (``train_peak_rss_gb``): the kernel's peak is reset to the current RSS on entry
+    (``/proc/self/clear_refs``, Linux 4.0+; None where it cannot be). The evaluation is the same code for
+    both libraries, and with many episodes its batched sampling, not training, can set a worker's peak.
+    The reset also hides the earlier peak from ``wait4``, hence ``setup_peak_rss_gb``."""
+    result["setup_peak_rss_gb"] = _rss_status_gb("VmHWM")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        reset = True
+    except OSError:
+        reset = False
+    yield
+    result["train_peak_rss_gb"] = _rss_status_gb("VmHWM") if reset else None
+
+
 @torch.no_grad()
 def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTrainedTokenizerBase, env: TldrEnv,
              spec: RunSpec) -> list[float]:
@@ -150,11 +177,12 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     setup_seconds = time.perf_counter() - started
     policies = [_policy(agent) for agent in trainer.team]
     before = evaluate(policies, tokenizer, env, spec) if spec.eval_before else None
-    history = []
-    train_start = time.perf_counter()
-    for _ in range(spec.steps):
-        history.append(trainer.train_step())
-    train_seconds = time.perf_counter() - train_start
+    history, memory = [], {}
+    with training_memory(memory):
+        train_start = time.perf_counter()
+        for _ in range(spec.steps):
+            history.append(trainer.train_step())
+        train_seconds = time.perf_counter() - train_start
     joint_actions = sum(m[f"turn{t}/joint_actions"] for m in history for t in range(1, spec.turns + 1))
     assert joint_actions == spec.steps * joint_actions_per_step(spec), (joint_actions, spec)
     return {
@@ -166,6 +194,7 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
         "generated_tokens": int(sum(m["tokens/generated"] for m in history)),
         "optimizer_steps_per_agent": spec.steps,
         "train_reward_turn1": [m["reward/turn1/mean"] for m in history],
+        **memory,
         "reward_before": before,
         "reward_after": evaluate(policies, tokenizer, env, spec),
     }
@@ -262,9 +291,11 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
     eval_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policies = [lambda model=model: model for model in trainer.agents]
     before = evaluate(policies, eval_tokenizer, env, spec) if spec.eval_before else None
-    train_start = time.perf_counter()
-    trainer.train()
-    train_seconds = time.perf_counter() - train_start
+    memory: dict[str, Any] = {}
+    with training_memory(memory):
+        train_start = time.perf_counter()
+        trainer.train()
+        train_seconds = time.perf_counter() - train_start
     ends = [train_start, *trainer.update_ends]
     assert len(ends) - 1 == spec.steps, f"CoMLRL updated {len(ends) - 1} times, expected {spec.steps}"
     return {
@@ -276,6 +307,7 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
         "generated_tokens": trainer.generated_tokens,
         "optimizer_steps_per_agent": trainer.optimizer_steps[0],
         "train_reward_turn1": None,
+        **memory,
         "reward_before": before,
         "reward_after": evaluate(policies, eval_tokenizer, env, spec),
     }

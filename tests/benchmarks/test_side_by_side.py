@@ -182,3 +182,30 @@ def test_bad_sizes_are_rejected_on_the_command_line(harness, capsys):
     with pytest.raises(SystemExit):
         harness.parse_args(["--out", "x.json", "--num-generations", "1"])
     assert "--num-generations must be >= 2" in capsys.readouterr().err
+
+
+def test_the_worker_reports_trainings_own_peak_and_the_one_before_it(tmp_path):
+    """With many evaluation episodes the shared evaluation, not training, can set a worker's peak RSS: the
+    worker reports training's own peak (the kernel's peak reset on entry) and the peak before it, which
+    the reset hides from ``wait4``. Here 600 MB are touched before training and 150 MB within it."""
+    import os
+    import subprocess
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/self/clear_refs (not Linux): the worker reports no training peak there")
+    code = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from side_by_side_worker import training_memory
+before = np.ones(600_000_000 // 8); del before
+memory = {}
+with training_memory(memory):
+    inside = np.ones(150_000_000 // 8)
+print(json.dumps(memory))
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(HARNESS.parent)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(HARNESS.parents[1] / "src")})
+    memory = json.loads(out.stdout.strip().splitlines()[-1])
+    assert memory["setup_peak_rss_gb"] >= memory["train_peak_rss_gb"] + 0.3
+    assert memory["train_peak_rss_gb"] >= 0.15
