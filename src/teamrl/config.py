@@ -187,7 +187,10 @@ class AlgorithmConfig:
         0.0,
     )
     early_termination_threshold: float | None = _doc(
-        "Multi-turn: a joint action whose reward reaches this value is not expanded further. Empty = off.", None
+        "Multi-turn: a joint action whose reward reaches this value before the last turn is not expanded further; "
+        "it is an absorbing state whose return counts its reward on every remaining turn "
+        "(R = r * sum_{k=0}^{T-t} gamma^k), so stopping is never worth less than continuing at that reward. "
+        "Empty = off.", None
     )
     learners: Literal["joint", "individual"] = _doc(
         "'joint': every agent learns from the shared joint reward (MAGRPO). 'individual': each agent learns "

@@ -14,6 +14,7 @@ import torch
 from teamrl.algorithms import magrpo
 from teamrl.algorithms.advantages import (
     ADVANTAGES,
+    absorbing_factor,
     agent_advantages,
     group_advantages,
     joint_action_combos,
@@ -24,6 +25,7 @@ from teamrl.algorithms.advantages import (
     tree_returns,
 )
 from teamrl.config import AlgorithmConfig
+from teamrl.envs import make_env
 from teamrl.rewards.base import RewardResult
 
 
@@ -152,6 +154,95 @@ def test_tree_returns_early_termination_keeps_reward_at_childless_node():
     close(out[0].squeeze(-1), [[1, 6], [2, 1]])
 
 
+def test_absorbing_factor_counts_the_reward_once_per_remaining_turn():
+    assert absorbing_factor(1, 0.3) == 1.0           # the last turn: the reward itself
+    assert absorbing_factor(2, 1.0) == 2.0           # 1 + 1
+    assert absorbing_factor(3, 0.5) == 1.75          # 1 + 0.5 + 0.25
+    with pytest.raises(ValueError, match="turns_left"):
+        absorbing_factor(0, 1.0)
+
+
+def _issue_example():
+    # Issue #22: G = 4, gamma = 1, two turns, turn-1 rewards [4, 2, 1, 3]; the 4 met the threshold (3.8)
+    # and was not expanded. The other three grew a node each (flat indices 1, 2, 3) whose 4 children
+    # have mean rewards 2.5, 1.25 and 3.5.
+    turn1 = t([[[4], [2], [1], [3]]])
+    turn2 = t([[[2], [3], [2], [3]], [[1], [1.5], [1], [1.5]], [[3], [4], [3], [4]]])
+    parents = [torch.arange(1), torch.tensor([1, 2, 3])]
+    stopped = [torch.tensor([[True, False, False, False]]), torch.zeros(3, 4, dtype=torch.bool)]
+    return [turn1, turn2], parents, stopped
+
+
+def test_issue_example_a_stopped_leaf_valued_as_r_pushes_the_solved_action_down():
+    rewards, parents, _ = _issue_example()
+    old = tree_returns(rewards, parents, 1.0)  # the stopped joint action as a plain leaf, R = r
+    # R = [4, 2 + 2.5, 1 + 1.25, 3 + 3.5] = [4, 4.5, 2.25, 6.5], mean 4.3125
+    close(old[0].squeeze(-1), [[4, 4.5, 2.25, 6.5]])
+    advantages = group_advantages(old[0], "mean").squeeze(-1)
+    close(advantages, [[-0.3125, 0.1875, -2.0625, 2.1875]])  # the issue's [-0.31, 0.19, -2.06, 2.19]
+    assert advantages[0, 0] < 0
+
+
+def test_issue_example_a_stopped_joint_action_is_absorbing_and_gets_the_highest_advantage():
+    rewards, parents, stopped = _issue_example()
+    new = tree_returns(rewards, parents, 1.0, stopped, num_turns=2)
+    # stopped at turn 1 of 2: R = 4 * (1 + 1) = 8 ; the others unchanged: [8, 4.5, 2.25, 6.5], mean 5.3125
+    close(new[0].squeeze(-1), [[8, 4.5, 2.25, 6.5]])
+    advantages = group_advantages(new[0], "mean").squeeze(-1)
+    close(advantages, [[2.6875, -0.8125, -3.0625, 1.1875]])
+    assert int(advantages.argmax()) == 0
+    close(new[1], rewards[1].tolist())  # the last turn's joint actions are ordinary leaves
+
+
+def test_stopping_early_is_worth_exactly_continuing_at_the_same_reward():
+    # One item, G = 2, gamma = 0.5, three turns. Joint action 0 reaches reward 2 and stops at turn 1;
+    # joint action 1 also earns 2 and goes on earning 2 on every later turn.
+    turn1 = t([[[2], [2]]])
+    turn2 = t([[[2], [2]]])               # the node grown from flat 1
+    turn3 = t([[[2], [2]], [[2], [2]]])   # nodes grown from turn-2 flat 0 and 1
+    stopped = [torch.tensor([[True, False]]), torch.zeros(1, 2, dtype=torch.bool), torch.zeros(2, 2, dtype=torch.bool)]
+    out = tree_returns([turn1, turn2, turn3], [torch.arange(1), torch.tensor([1]), torch.tensor([0, 1])], 0.5,
+                       stopped, num_turns=3)
+    # continuing: turn 3 R = 2 ; turn 2 R = 2 + .5 * 2 = 3 ; turn 1 R = 2 + .5 * 3 = 3.5
+    # stopped at turn 1: 2 * (1 + .5 + .25) = 3.5 -> the same, so the advantages are 0
+    close(out[0].squeeze(-1), [[3.5, 3.5]])
+    close(group_advantages(out[0], "mean"), [[[0.0], [0.0]]])
+
+
+def test_a_joint_action_stopped_at_turn_2_of_3_keeps_its_reward_for_two_turns():
+    # One item, G = 2, gamma = 0.5: turn-2 joint action 1 (reward 4) stopped; both channels scaled alike.
+    turn1 = t([[[0, 0], [1, 1]]])
+    turn2 = t([[[1, 0], [4, 2]]])  # grown from turn-1 flat 0; flat 1 of turn 1 is a plain leaf of the tree
+    turn3 = t([[[2, 2], [0, 0]]])  # grown from turn-2 flat 0
+    stopped = [torch.zeros(1, 2, dtype=torch.bool), torch.tensor([[False, True]]), torch.zeros(1, 2, dtype=torch.bool)]
+    out = tree_returns([turn1, turn2, turn3], [torch.arange(1), torch.tensor([0]), torch.tensor([0])], 0.5,
+                       stopped, num_turns=3)
+    # turn 2: flat 0: 1 + .5 * mean(2, 0) = 1.5 (channel 1: 0 + .5 * 1 = 0.5) ; flat 1: 4 * 1.5 = 6 (2 * 1.5 = 3)
+    close(out[1], [[[1.5, 0.5], [6, 3]]])
+    # turn 1: flat 0: 0 + .5 * mean(1.5, 6) = 1.875 (0 + .5 * mean(.5, 3) = 0.875) ; flat 1: not stopped, R = r
+    close(out[0], [[[1.875, 0.875], [1, 1]]])
+
+
+def test_tree_returns_values_stopped_actions_to_the_horizon_when_the_tree_ends_early():
+    # Every turn-1 joint action stopped: the tree has one turn, the horizon is 3, gamma = 1.
+    out = tree_returns([t([[[1], [3]]])], [torch.arange(1)], 1.0, [torch.tensor([[True, True]])], num_turns=3)
+    close(out[0].squeeze(-1), [[3, 9]])
+
+
+def test_tree_returns_rejects_inconsistent_termination():
+    turn1, turn2 = t([[[1], [2]]]), t([[[3], [5]]])
+    parents = [torch.arange(1), torch.tensor([0])]
+    no_stop = [torch.zeros(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)]
+    with pytest.raises(ValueError, match="num_turns"):
+        tree_returns([turn1, turn2], parents, 1.0, no_stop, num_turns=1)
+    with pytest.raises(ValueError, match="terminated: one mask per turn"):
+        tree_returns([turn1, turn2], parents, 1.0, no_stop[:1], num_turns=2)
+    with pytest.raises(ValueError, match=r"terminated\[0\]: shape"):
+        tree_returns([turn1, turn2], parents, 1.0, [torch.zeros(2, 1, dtype=torch.bool), no_stop[1]], num_turns=2)
+    with pytest.raises(ValueError, match="stopped joint action has children"):
+        tree_returns([turn1, turn2], parents, 1.0, [torch.tensor([[True, False]]), no_stop[1]], num_turns=2)
+
+
 def test_tree_returns_three_turns_propagates_returns_not_rewards():
     # one item, G = 2, gamma = 0.5
     turn1 = t([[[1], [0]]])
@@ -228,7 +319,7 @@ def test_agent_advantages_cross_3x3_two_points():
 # --------------------------------------------------------------------------------------------------
 
 
-def make_turn(rewards, parents, combos, num_agents: int, num_samples: int) -> magrpo.Turn:
+def make_turn(rewards, parents, combos, num_agents: int, num_samples: int, terminated=None) -> magrpo.Turn:
     rewards = t(rewards)
     points = rewards.shape[0]
     generations = [SimpleNamespace(completion_ids=torch.zeros(points * num_samples, 3, dtype=torch.long),
@@ -242,6 +333,7 @@ def make_turn(rewards, parents, combos, num_agents: int, num_samples: int) -> ma
         combos=combos,
         results=[RewardResult(float(r)) for r in rewards[..., 0].reshape(-1)],
         rewards=rewards,
+        terminated=torch.zeros(rewards.shape[:2], dtype=torch.bool) if terminated is None else torch.tensor(terminated),
     )
 
 
@@ -347,14 +439,68 @@ def test_end_to_end_aligned_two_turns_none_discounted():
 def test_end_to_end_early_termination():
     # turn-1 joint action 1 (reward 2) terminated: turn 2 has one node grown from flat index 0.
     combos = joint_action_combos(2, 2, "aligned")
-    turn1 = make_turn([[[1], [2]]], [0], combos, 2, 2)
+    turn1 = make_turn([[[1], [2]]], [0], combos, 2, 2, terminated=[[False, True]])
     turn2 = make_turn([[[3], [5]]], [0], combos, 2, 2)
     per_agent, returns = run_advantages([turn1, turn2], 2, num_generations=2, num_turns=2, advantage="rloo")
-    # R1 = [1 + 4, 2] = [5, 2] -> rloo (G=2: R_g - R_other) = [3, -3] ; turn 2: [3, 5] -> [-2, 2]
-    close(returns[0].squeeze(-1), [[5, 2]])
+    # R1 = [1 + mean(3, 5), 2 * 2 (absorbing over both turns)] = [5, 4] -> rloo (G=2: R_g - R_other) = [1, -1]
+    # turn 2: [3, 5] -> [-2, 2]
+    close(returns[0].squeeze(-1), [[5, 4]])
     for agent in range(2):
-        close(per_agent[agent][0], [3, -3])
+        close(per_agent[agent][0], [1, -1])
         close(per_agent[agent][1], [-2, 2])
+
+
+# --------------------------------------------------------------------------------------------------
+# the rollout records which joint actions early termination stopped
+# --------------------------------------------------------------------------------------------------
+
+
+def scripted_sampler(rows_per_turn):
+    """A SampleFn whose agent i writes rows_per_turn[call][i][g] as its g-th sample at every expansion point."""
+    calls = iter(rows_per_turn)
+
+    def sample(observations, num_samples, seed):
+        rows = next(calls)
+        points = len(observations[0])
+        return [SimpleNamespace(texts=list(rows[i]) * points,
+                                completion_ids=torch.zeros(points * num_samples, 1, dtype=torch.long))
+                for i in range(len(observations))]
+
+    return sample
+
+
+# digit_sum, target 9, two digits: "4 5" + "5 4" sums exactly (reward 1.0); "0 0" + "0 0" earns 0.1.
+EXACT = (("4 5", "0 0"), ("5 4", "0 0"))
+
+
+def test_rollout_records_terminated_joint_actions_and_returns_treat_them_as_absorbing():
+    env = make_env("digit_sum", targets=[9], length=2, num_train=1, num_eval=1)
+    config = AlgorithmConfig(num_generations=2, num_turns=3, early_termination_threshold=1.0, advantage="mean")
+    # Every turn: joint action 0 is exact (1.0, meets the threshold), joint action 1 is not (0.1).
+    tree = magrpo.rollout(scripted_sampler([EXACT] * 3), env, env.items("train"), config)
+    assert [turn.terminated.tolist() for turn in tree.turns] == [[[True, False]], [[True, False]], [[False, False]]]
+    assert [turn.parents.tolist() for turn in tree.turns] == [[0], [1], [1]]  # only joint action 1 grew
+    per_agent, returns = magrpo.advantages(tree, 2, config)
+    # turn 3 (last, ordinary leaves): [1, 0.1]
+    # turn 2: stopped at turn 2 of 3 -> 1 * 2 = 2 ; continued -> 0.1 + mean(1, 0.1) = 0.65
+    # turn 1: stopped at turn 1 of 3 -> 1 * 3 = 3 ; continued -> 0.1 + mean(2, 0.65) = 1.425
+    close(returns[2].squeeze(-1), [[1, 0.1]])
+    close(returns[1].squeeze(-1), [[2, 0.65]])
+    close(returns[0].squeeze(-1), [[3, 1.425]])
+    close(per_agent[0][0], [0.7875, -0.7875])  # (3 - 1.425) / 2
+    metrics = magrpo.rollout_metrics(tree, returns, per_agent)
+    assert [metrics[f"turn{t}/terminated"] for t in (1, 2, 3)] == [1.0, 1.0, 0.0]
+    assert metrics["return/turn1/mean"] == pytest.approx((3 + 1.425) / 2)
+
+
+def test_rollout_that_stops_every_joint_action_values_them_to_the_horizon():
+    env = make_env("digit_sum", targets=[9], length=2, num_train=1, num_eval=1)
+    config = AlgorithmConfig(num_generations=2, num_turns=2, early_termination_threshold=1.0)
+    both_exact = (("4 5", "4 5"), ("5 4", "5 4"))
+    tree = magrpo.rollout(scripted_sampler([both_exact]), env, env.items("train"), config)
+    assert len(tree.turns) == 1 and tree.turns[0].terminated.tolist() == [[True, True]]
+    _, returns = magrpo.advantages(tree, 2, config)
+    close(returns[0].squeeze(-1), [[2, 2]])  # 1.0 on both turns of the horizon
 
 
 def test_end_to_end_individual_learners_use_their_own_channel():

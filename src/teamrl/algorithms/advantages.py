@@ -53,18 +53,59 @@ def group_advantages(returns: torch.Tensor, mode: str) -> torch.Tensor:
     return ADVANTAGES[mode](returns.transpose(1, 2)).transpose(1, 2)
 
 
-def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], discount: float) -> list[torch.Tensor]:
-    """R = r at a leaf, R = r + discount * mean(R of the node's children) at an inner node.
+def absorbing_factor(turns_left: int, discount: float) -> float:
+    """sum_{k=0}^{turns_left-1} discount^k: what one reward is worth when it is received on each of the
+    ``turns_left`` turns from now to the horizon (this one included)."""
+    if turns_left < 1:
+        raise ValueError(f"turns_left must be >= 1 (got {turns_left})")
+    return float(sum(discount**k for k in range(turns_left)))
+
+
+def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], discount: float,
+                 terminated: list[torch.Tensor] | None = None, num_turns: int | None = None) -> list[torch.Tensor]:
+    """Returns over the rollout tree, turn t = 1..T:
+
+    * a joint action of the last turn T (or any other leaf): R = r;
+    * an inner node: R = r + discount * mean(R of its children);
+    * a joint action early termination stopped at turn t < T: R = r * sum_{k=0}^{T-t} discount^k.
+
+    An early-terminated joint action is an absorbing state: the episode stays where the team stopped
+    and keeps the reward it reached on every remaining turn. Valued as a plain leaf (R = r) it would
+    collect one turn's reward against its siblings' several and rank below siblings that solved
+    nothing (issue #22's example in docs/algorithm.md); as an absorbing state it gets exactly what a
+    sibling earning the same reward on every later turn gets, so stopping early is never worse than
+    continuing at the same reward.
 
     Args:
         rewards: per turn, (E_t, M, K) rewards of every joint action.
         parents: per turn t >= 1, (E_t,) the flat index (into turn t-1's E_{t-1} * M joint actions) of
             the joint action each expansion point of turn t grew from. A joint action no point grew
-            from (last turn, or early termination) is a leaf.
+            from is a leaf.
+        discount: gamma.
+        terminated: per turn, (E_t, M) bool, the joint actions early termination stopped (leaves valued
+            as absorbing states). None: no joint action was stopped.
+        num_turns: T, the horizon terminated joint actions are valued up to; the tree itself may end
+            before T when every joint action of a turn was stopped. None: the tree's depth.
     Returns:
         per turn, (E_t, M, K) returns.
+    Raises:
+        ValueError: ``num_turns`` is shorter than the tree, ``terminated`` does not match the rewards,
+            or a stopped joint action has children.
     """
+    horizon = len(rewards) if num_turns is None else num_turns
+    if horizon < len(rewards):
+        raise ValueError(f"num_turns: the tree has {len(rewards)} turns, more than the horizon {horizon}")
     returns = [r.clone() for r in rewards]
+    if terminated is not None:
+        if len(terminated) != len(rewards):
+            raise ValueError(f"terminated: one mask per turn is needed ({len(rewards)}), got {len(terminated)}")
+        for turn, (turn_returns, stopped) in enumerate(zip(returns, terminated)):
+            if stopped.shape != turn_returns.shape[:2]:
+                raise ValueError(f"terminated[{turn}]: shape {tuple(stopped.shape)} does not match the turn's "
+                                 f"joint actions {tuple(turn_returns.shape[:2])}")
+            if turn + 1 < len(rewards) and stopped.reshape(-1)[parents[turn + 1]].any():
+                raise ValueError(f"terminated[{turn}]: a stopped joint action has children at turn {turn + 2}")
+            turn_returns[stopped] *= absorbing_factor(horizon - turn, discount)
     for turn in range(len(rewards) - 1, 0, -1):
         previous = returns[turn - 1]
         flat = previous.view(-1, previous.shape[-1])

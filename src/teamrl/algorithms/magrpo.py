@@ -7,8 +7,10 @@ One training step for a batch of items:
    every combination, G^n). Each joint action gets one joint reward r. For T > 1, every joint action
    (unless early termination stopped it) is a node from which the environment gives each agent its next
    observation, and every agent again samples G completions: an aligned tree with G^T leaves.
-2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf,
-   R = r + gamma * mean(R of the children) at an inner node.
+2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf of the last turn,
+   R = r + gamma * mean(R of the children) at an inner node, and a joint action early termination
+   stopped at turn t is an absorbing state that keeps its reward to the horizon:
+   R = r * sum_{k=0}^{T-t} gamma^k.
 3. Advantages, paper Eq. 1 (:func:`~teamrl.algorithms.advantages.group_advantages`): over the
    joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
@@ -57,6 +59,8 @@ class Turn:
     """Joint reward of each of the E x M joint actions."""
     rewards: torch.Tensor
     """(E, M, K): the reward channel(s) learners use (K=1 joint, K=n individual)."""
+    terminated: torch.Tensor
+    """(E, M) bool: the joint actions early termination stopped before the last turn (absorbing states)."""
     generation_seconds: float = 0.0
 
     def joint_action(self, e: int, m: int) -> tuple[str, ...]:
@@ -106,21 +110,23 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
         generations = sample([[obs[i] for obs in observations] for i in range(env.num_agents)], num_samples,
                              derive_seed(seed, turn))
         seconds = time.perf_counter() - start
+        stopped = torch.zeros(len(frontier), len(combos), dtype=torch.bool)
         record = Turn(parents, [f[0] for f in frontier], [f[1] for f in frontier], observations, generations,
-                      combos, [], torch.empty(0), seconds)
+                      combos, [], torch.empty(0), stopped, seconds)
         requests = [(item, record.joint_action(e, m), history)
                     for e, (item, history) in enumerate(frontier) for m in range(len(combos))]
         record.results = env.joint_rewards(requests)
-        channels = ([env.individual_rewards(*request) for request in requests] if individual
+        channels = (env.individual_rewards_many(requests) if individual
                     else [[result.total] for result in record.results])
         record.rewards = torch.tensor(channels, dtype=torch.float32).view(len(frontier), len(combos), -1)
         tree.turns.append(record)
 
         next_frontier, next_parents = [], []
-        if turn + 1 < config.num_turns:
+        if turn + 1 < config.num_turns:  # the last turn's joint actions are ordinary leaves, never "stopped"
             threshold = config.early_termination_threshold
             for flat, ((item, actions, history), result) in enumerate(zip(requests, record.results)):
                 if threshold is not None and result.total >= threshold:
+                    stopped.view(-1)[flat] = True
                     continue
                 step = Step(tuple(observations[flat // len(combos)]), tuple(actions), result)
                 next_frontier.append((item, (*history, step)))
@@ -133,7 +139,8 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
 
 def advantages(tree: Rollout, num_agents: int, config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per agent and turn, the (E*G,) advantage of each of its completions; and the returns of each turn."""
-    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount)
+    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount,
+                           [t.terminated for t in tree.turns], config.num_turns)
     per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
     for turn, turn_returns in zip(tree.turns, returns):
         joint = group_advantages(turn_returns, config.advantage)  # Eq. 1, one group per expansion point
@@ -410,7 +417,9 @@ def _micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
 
 
 def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
-    """Per-turn joint reward and return statistics, and advantage statistics, for logging."""
+    """Per-turn joint reward and return statistics (returns as :func:`advantages` computed them, early-terminated
+    joint actions valued as absorbing states), how many joint actions early termination stopped, and
+    advantage statistics, for logging."""
     metrics: dict[str, float] = {}
     for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
         joint = torch.tensor([r.total for r in turn.results])
@@ -418,6 +427,7 @@ def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages
         metrics[f"reward/turn{t}/std"] = float(joint.std()) if joint.numel() > 1 else 0.0
         metrics[f"return/turn{t}/mean"] = float(turn_returns.mean())
         metrics[f"turn{t}/joint_actions"] = float(joint.numel())
+        metrics[f"turn{t}/terminated"] = float(turn.terminated.sum())
     every = torch.cat([a for per_turn in agent_advantages_ for a in per_turn])
     metrics["advantage/mean"] = float(every.mean())
     metrics["advantage/std"] = float(every.std()) if every.numel() > 1 else 0.0

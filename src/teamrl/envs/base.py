@@ -69,10 +69,19 @@ class Environment(ABC):
         raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no next observations")
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
-        """A reward per agent, for the independent-learner baseline (``algorithm.learners='individual'``)."""
+        """A reward per agent, for the independent-learner baseline (``algorithm.learners='individual'``):
+        agent i's reward depends on its own completion ``actions[i]`` (and the item) alone."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no individual rewards; use algorithm.learners='joint'"
         )
+
+    def individual_rewards_many(
+        self, requests: Sequence[tuple[Item, Sequence[str], Sequence[Step]]]
+    ) -> list[list[float]]:
+        """:meth:`individual_rewards` of many joint actions; the default scores them one by one. The
+        rollout calls it right after :meth:`joint_rewards` on the same requests, so a task can reuse
+        that grading (e.g. a sandbox run) instead of repeating it."""
+        return [self.individual_rewards(item, actions, history) for item, actions, history in requests]
 
     def joint_rewards(
         self, requests: Sequence[tuple[Item, Sequence[str], Sequence[Step]]]
