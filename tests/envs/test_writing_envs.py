@@ -1,4 +1,5 @@
-"""The TLDR and arXiv writing environments: data sources, held-out splits, observations and joint rewards."""
+"""The TLDR and arXiv writing environments: data sources, held-out splits, observations, joint and
+individual rewards, and independent learners training on them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from teamrl.data import DataError
 from teamrl.envs import ENVIRONMENTS, make_env
 from teamrl.envs.writing import ELLIPSIS, ArxivEnv, TldrEnv, truncate
 from teamrl.rewards.writing import arxiv_reward, tldr_reward
+from teamrl.train import Trainer
 
 POSTS = str(Path(__file__).parent / "data" / "posts.jsonl")
 
@@ -190,3 +192,39 @@ def test_duplicate_ids_and_empty_texts_are_rejected(tmp_path):
     empty.write_text('{"text": "fine"}\n{"text": "  "}\n')
     with pytest.raises(DataError, match="record 1 field 'text' is empty or not text"):
         make_env("tldr", source=str(empty), eval_size=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Individual rewards: the independent-learner baseline (algorithm.learners=individual)
+
+
+def test_individual_rewards_score_each_agents_completion_alone():
+    tldr = make_env("tldr", source=POSTS, eval_size=2)
+    item = tldr.items("train")[0]
+    # 8 words, 5 distinct {however, p0..p3}: length 0.5 + 0.5 * 5/8; transitions (contrast, T = 0.4)
+    # count for the detailed summary only: + 0.4 * 0.4
+    own = "however p0 p1 p2 p0 p1 p2 p3"
+    assert tldr.individual_rewards(item, [own, own]) == pytest.approx([0.8125, 0.9725])
+    assert tldr.individual_rewards(item, ["too short", own]) == pytest.approx([0.0, 0.9725])
+    many = tldr.individual_rewards_many([(item, [own, own], ()), (item, [own, "x"], ())])
+    assert many[0] == pytest.approx([0.8125, 0.9725]) and many[1] == pytest.approx([0.8125, 0.0])
+
+    arxiv = make_env("arxiv", source=POSTS, eval_size=2)
+    # 130 tokens, 65 distinct words each said twice: 0.5 + 0.5 * 0.5 + transitions (T = 0.4) for both agents
+    long = " ".join(["however", *(f"w{i}" for i in range(64))] * 2)
+    assert arxiv.individual_rewards(item, [long, long]) == pytest.approx([0.91, 0.91])
+    assert arxiv.individual_rewards(item, [long, own]) == pytest.approx([0.91, 0.0])  # 8 tokens < 128
+    with pytest.raises(ValueError, match="one completion per agent"):
+        arxiv.individual_rewards(item, [own])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["tldr", "arxiv"])
+def test_independent_learners_train_on_the_writing_tasks(task, tiny_config):
+    config = tiny_config(env={"name": task, "kwargs": {"source": POSTS, "eval_size": 2}},
+                         team={"sampling": {"max_new_tokens": 12}}, algorithm={"num_generations": 2,
+                                                                              "learners": "individual"},
+                         items_per_step=2, steps=2)
+    history = Trainer(config).train()
+    assert [metrics["step"] for metrics in history] == [1, 2]
+    assert all(metrics["loss"] == metrics["loss"] for metrics in history)  # finite, not NaN

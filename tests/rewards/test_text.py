@@ -8,6 +8,7 @@ from teamrl.rewards.text import (
     char_length_ratio,
     content_jaccard,
     content_words,
+    distinct_word_share,
     token_count,
     transition_categories,
     unique_word_ratio,
@@ -31,6 +32,12 @@ def test_words_lowercase_keep_contractions_and_split_on_punctuation():
 
 def test_unique_words_counts_each_spelling_once_case_insensitively():
     assert unique_words("The cat and THE Cat, the end.") == {"the", "cat", "and", "end"}
+
+
+def test_distinct_word_share_is_unique_words_over_words():
+    assert distinct_word_share("The cat and THE Cat, the end.") == 4 / 7  # {the, cat, and, end} of 7 words
+    assert distinct_word_share("don't stop") == 1.0  # a contraction is one word
+    assert distinct_word_share("... !!!") == 0.0
 
 
 def test_unique_word_ratio_is_distinct_words_of_text_over_reference():

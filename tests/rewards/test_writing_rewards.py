@@ -7,12 +7,17 @@ a character length reached by padding the last word with ``x``.
 
 import pytest
 
+from teamrl.rewards import text
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import TRANSITION_CATEGORIES, content_jaccard, transition_categories
 from teamrl.rewards.writing import (
+    ARXIV_SPEC,
     MAX_REWARD,
     WRITING_REWARDS,
+    arxiv_individual_rewards,
     arxiv_reward,
+    individual_writing_reward,
+    tldr_individual_rewards,
     tldr_reward,
     transition_score,
 )
@@ -350,3 +355,87 @@ def test_total_is_sum_of_parts_on_a_mid_range_example():
 def test_registry_and_maxima():
     assert WRITING_REWARDS == {"tldr": tldr_reward, "arxiv": arxiv_reward}
     assert MAX_REWARD == {"tldr": 3.0, "arxiv": 3.0}
+
+
+# --------------------------------------------------------------------------------------------------
+# Individual rewards (the independent-learner baseline): each agent's completion alone
+
+#: 13 transition categories in 13 distinct single words (no purpose phrase: those all have two words).
+THIRTEEN_CATEGORIES = ("additionally however although because namely specifically indeed similarly first "
+                       "meanwhile unless generally overall")
+
+
+def test_thirteen_categories_in_distinct_words():
+    assert len(transition_categories(THIRTEEN_CATEGORIES)) == 13
+    assert len(text.words(THIRTEEN_CATEGORIES)) == len(text.unique_words(THIRTEEN_CATEGORIES)) == 13
+
+
+def test_tldr_individual_rewards_hand_computed():
+    # 8 tokens = 8 words, 5 distinct {however, p0, p1, p2, p3}: share 5/8; one category (contrast): T = 0.4
+    repetitive = "however p0 p1 p2 p0 p1 p2 p3"
+    summary, detailed = tldr_individual_rewards(repetitive, repetitive)
+    # the summary's transitions do not count (the joint reward searches the detailed summary only)
+    assert summary == RewardResult(0.5 + 0.5 * 5 / 8, {"length": 0.5, "unique_words": 0.5 * 5 / 8})
+    assert detailed.parts == approx({"length": 0.5, "unique_words": 0.3125, "transitions": 0.4 * 0.4})
+    assert detailed.total == approx(0.5 + 0.3125 + 0.16)
+
+
+def test_individual_writing_rewards_maxima():
+    summary, detailed = tldr_individual_rewards(THIRTEEN_CATEGORIES, THIRTEEN_CATEGORIES)
+    assert summary.total == approx(1.0) and detailed.total == approx(1.4)
+    long = THIRTEEN_CATEGORIES + " " + " ".join(vocab("p", 115))  # 128 tokens, all distinct
+    assert [r.total for r in arxiv_individual_rewards(long, long)] == approx([1.4, 1.4])  # both agents' transitions
+
+
+@pytest.mark.parametrize("tokens", [7, 257])
+def test_individual_length_gate_stops_scoring(tokens):
+    completion = doc(vocab("p", 7), tokens=tokens)
+    assert tldr_individual_rewards(completion, completion) == [RewardResult(0.0, {"length": 0.0})] * 2
+
+
+def test_arxiv_individual_rewards_hand_computed_at_the_token_bounds():
+    # 128 tokens: 64 distinct words each said twice -> share 0.5; "however" is one of them (T = 0.4)
+    words = ["however", *vocab("p", 63)]
+    completion = " ".join(words + words)
+    expected = RewardResult(0.5 + 0.25 + 0.16, {"length": 0.5, "unique_words": 0.25, "transitions": 0.4 * 0.4})
+    background, methods = arxiv_individual_rewards(completion, completion)
+    for result in (background, methods):
+        assert result.parts == approx(expected.parts) and result.total == approx(expected.total)
+    assert arxiv_individual_rewards(" ".join(words), completion)[0] == RewardResult(0.0, {"length": 0.0})  # 64
+
+
+def test_an_agents_individual_reward_ignores_its_partner():
+    own = doc(vocab("p", 9), tokens=12)
+    for partner in ("", THIRTEEN_CATEGORIES, doc(vocab("q", 40))):
+        assert tldr_individual_rewards(own, partner)[0] == tldr_individual_rewards(own, "x")[0]
+        assert tldr_individual_rewards(partner, own)[1] == tldr_individual_rewards("x", own)[1]
+
+
+def test_individual_writing_reward_rejects_a_third_seat():
+    with pytest.raises(ValueError, match="seat must be 0 or 1"):
+        individual_writing_reward(ARXIV_SPEC, 2, THIRTEEN_CATEGORIES)
+
+
+# --------------------------------------------------------------------------------------------------
+# One definition of a text's unique words, used by every reward
+
+
+def test_every_reward_counts_unique_words_through_text_unique_words(monkeypatch):
+    summary = " ".join(vocab("p", 10))   # 10 distinct words, 29 characters
+    detailed = " ".join(vocab("q", 15))  # 15 distinct words, 49 characters: rho = 49 / 29 = 1.69
+    # Real definition: u = 15 / 10 = 1.5 -> 0.5 * (1.5 - 1.3) / 0.7 ; no shared content word -> Jaccard 0
+    real = tldr_reward(summary, detailed)
+    assert real.parts["unique_words"] == approx(0.5 * 0.2 / 0.7) and real.parts["jaccard"] == 0.0
+    assert tldr_individual_rewards(summary, detailed)[1].parts["unique_words"] == approx(0.5)
+
+    # Every text gains the same extra "unique word": each consumer must change accordingly.
+    real_unique_words = text.unique_words
+    monkeypatch.setattr(text, "unique_words", lambda t: real_unique_words(t) | {"zzmarker"})
+    patched = tldr_reward(summary, detailed)
+    assert patched.parts["unique_words"] == approx(0.5 * (16 / 11 - 1.3) / 0.7)  # level 3: u = 16 / 11
+    # Jaccard's content words come from it too: 1 shared of 26 = 0.038 >= cap 0.03 -> J = 1
+    assert patched.parts["jaccard"] == approx(0.6)
+    assert content_jaccard(summary, detailed) == approx(1 / 26)
+    summary_own, detailed_own = tldr_individual_rewards(summary, detailed)
+    assert summary_own.parts["unique_words"] == approx(0.5 * 11 / 10)
+    assert detailed_own.parts["unique_words"] == approx(0.5 * 16 / 15)

@@ -3,7 +3,9 @@
 Both are single-turn, two-agent tasks. Each agent sees the same text with its own instructions and
 writes its part without seeing its partner's; one joint reward
 (:func:`~teamrl.rewards.writing.tldr_reward` or :func:`~teamrl.rewards.writing.arxiv_reward`, max 3.0)
-scores the pair, with the reward's levels as the result's ``parts``.
+scores the pair, with the reward's levels as the result's ``parts``. For the independent-learner
+baseline each agent also has its own reward of its completion alone
+(:func:`~teamrl.rewards.writing.individual_writing_reward`).
 
 Data sources (the ``source`` argument), all read through :mod:`teamrl.data`:
 
@@ -35,7 +37,8 @@ from teamrl import data
 from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import TRANSITION_CATEGORIES
-from teamrl.rewards.writing import WRITING_MAX_REWARD, arxiv_reward, tldr_reward
+from teamrl.rewards.writing import (WRITING_MAX_REWARD, arxiv_individual_rewards, arxiv_reward,
+                                    tldr_individual_rewards, tldr_reward)
 
 #: Marks where :func:`truncate` cut a text.
 ELLIPSIS = " ..."
@@ -107,6 +110,8 @@ class WritingEnv(Environment):
     max_reward = WRITING_MAX_REWARD
     #: The task's reward, a function of (agent 0's completion, agent 1's completion).
     reward: Callable[[str, str], RewardResult]
+    #: Each agent's own reward (the independent-learner baseline), agent i's a function of its completion alone.
+    agent_rewards: Callable[[str, str], list[RewardResult]]
     #: Hub dataset used by ``source="hub"`` and where it keeps the task's fields.
     hub_dataset: str
     hub_layout: SourceLayout
@@ -230,9 +235,16 @@ class WritingEnv(Environment):
 
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         """The task's reward of (agent 0's completion, agent 1's completion), levels in ``parts``."""
+        return self.reward(*self._pair(actions))
+
+    def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
+        """Each agent's own reward (:attr:`agent_rewards`): agent i's depends on ``actions[i]`` alone."""
+        return [result.total for result in self.agent_rewards(*self._pair(actions))]
+
+    def _pair(self, actions: Sequence[str]) -> tuple[str, str]:
         if len(actions) != self.num_agents:
             raise ValueError(f"{type(self).__name__} needs one completion per agent (2), got {len(actions)}")
-        return self.reward(actions[0], actions[1])
+        return actions[0], actions[1]
 
 
 def _check_limit(name: str, value: int | None, minimum: int = 1) -> None:
@@ -268,6 +280,7 @@ class TldrEnv(WritingEnv):
     """
 
     reward = staticmethod(tldr_reward)
+    agent_rewards = staticmethod(tldr_individual_rewards)
     hub_dataset = "trl-lib/tldr"
     hub_layout = SourceLayout(text_field="prompt", reference_field="completion", eval_split="test")
     aclsum_layout = SourceLayout(text_field="abstract", id_field="id")
@@ -302,6 +315,7 @@ class ArxivEnv(WritingEnv):
     """
 
     reward = staticmethod(arxiv_reward)
+    agent_rewards = staticmethod(arxiv_individual_rewards)
     hub_dataset = "OpenMLRL/arXiv_abstract"
     hub_layout = SourceLayout(text_field="abstract_text", id_field="article_id", eval_split="val")
     aclsum_layout = SourceLayout(text_field="abstract", id_field="id", reference_field="introduction")

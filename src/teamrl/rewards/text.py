@@ -1,4 +1,4 @@
-"""Text features the writing rewards are built from.
+r"""Text features the writing rewards are built from.
 
 Every function here is pure and deterministic and uses the standard library only (no NLTK data to
 download). The exact rules:
@@ -9,11 +9,34 @@ download). The exact rules:
   single internal apostrophes (see :data:`WORD_PATTERN`). So ``"Don't stop-loss 2x!"`` has the
   words ``don't``, ``stop``, ``loss``, ``2x``: hyphens and other punctuation separate words, and
   underscores are not letters.
-* **Content words**: the set of words minus :data:`STOPWORDS`.
+* **Unique words**, U(text): the set of distinct words, **stopwords included**
+  (:func:`unique_words`). This is teamrl's one definition of a text's unique words; every reward and
+  report that counts them goes through it: the joint writing rewards' level 3
+  (``u = |U(c2)| / |U(c1)|``, :func:`unique_word_ratio`), the content words of the Jaccard term
+  (:func:`content_words` = U minus stopwords) and the individual writing rewards' vocabulary part
+  (:func:`distinct_word_share`).
+* **Content words**: U(text) minus :data:`STOPWORDS`.
 * **Transition categories**: the categories of :data:`TRANSITION_CATEGORIES` with at least one
   phrase occurring in the text, case-insensitively, on word boundaries (a letter, digit, underscore
   or hyphen next to the phrase prevents the match, so ``then`` is not found in ``strengthen`` nor
   ``first`` in ``first-class``), with any run of whitespace allowed between a phrase's words.
+
+Where the unique-word definition comes from. The paper (arXiv 2508.04652) scores level 3 of its TLDR
+and arXiv rewards by the ratio of the two completions' numbers of unique words. The authors' reward
+code (``tldr_combined_reward`` and ``arxiv_combined_reward`` in ``rewards/tldr_rewards.py`` and
+``rewards/arxiv_rewards.py`` of github.com/OpenMLRL/LLM_Collab_Writing) counts them as
+``len(set(re.findall(r"\b\w+\b", text.lower())))`` through ``count_unique_words(c)``, whose
+``exclude_stopwords`` argument defaults to False and is not passed: **stopwords are included**,
+although the reward functions' docstrings describe level 3 as a "unique words ratio (excluding
+stopwords)". teamrl follows what the code computes: stopwords count in level 3. The authors' Jaccard
+term drops stopwords, and so does teamrl's. Where teamrl deliberately differs from that code:
+
+* contractions stay one word (``don't``; ``\b\w+\b`` splits it into ``don`` and ``t``, so every
+  contraction adds the pseudo-word ``t``, ``s`` or ``ll``), and ``’`` counts as ``'``;
+* underscores separate words (``\w`` counts ``_`` as a letter, so ``snake_case`` is one word there);
+* the stopword list is :data:`STOPWORDS` (the authors' own list differs, e.g. it holds ``good``,
+  ``first`` and ``new`` and no contractions), and a Jaccard of two texts without content words is 0.0
+  (1.0 there: an empty pair would earn the full term).
 """
 
 from __future__ import annotations
@@ -152,8 +175,19 @@ def words(text: str) -> list[str]:
 
 
 def unique_words(text: str) -> frozenset[str]:
-    """The set of distinct :func:`words` of ``text`` (stopwords included)."""
+    """U(text): the set of distinct :func:`words` of ``text``, stopwords included. The one definition of
+    a text's unique words that every reward uses (its source: the module docstring)."""
     return frozenset(words(text))
+
+
+def distinct_word_share(text: str) -> float:
+    """``|U(text)| / (number of words of text)``: the share of a text's words that are distinct, 1.0 when
+    no word repeats (a lexical-diversity measure: a text going round in circles scores low).
+
+    Returns 0.0 for a text without words.
+    """
+    count = len(words(text))
+    return len(unique_words(text)) / count if count else 0.0
 
 
 def unique_word_ratio(reference: str, text: str) -> float:

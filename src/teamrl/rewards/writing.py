@@ -16,7 +16,23 @@ level reached:
 The level that fails is recorded as 0.0 and the levels after it are absent. A level scoring 0.0 on
 the closed edge of its band (e.g. TLDR ``rho == 1.1``) *passes*: the next level is still scored.
 ``total`` is the sum of ``parts``; the maximum is 0.5 + 1.0 + 0.5 + 1.0 = 3.0 for both tasks.
-Tokens, words, stopwords and transition categories are defined in :mod:`teamrl.rewards.text`.
+Tokens, words, unique words, stopwords and transition categories are defined in
+:mod:`teamrl.rewards.text`.
+
+**Individual rewards** (:func:`individual_writing_reward`; the independent-learner baseline,
+``algorithm.learners=individual``) score one agent's completion ``c`` alone, from the joint reward's
+parts that depend on that agent alone, on the same scale, gated in the same order:
+
+* ``"length"``: 0.5 if ``c`` has a whitespace-token count within the task's bounds (level 1's test
+  of this agent's completion), else 0.0 and stop;
+* ``"unique_words"``: ``0.5 * |U(c)| / (words of c)``, the share of its words that are distinct.
+  Level 3 measures vocabulary by the ratio of the two agents' unique words; alone, an agent's only
+  reference is its own word count;
+* ``"transitions"`` = ``0.4 * T`` over the transition categories found in ``c``, for an agent whose
+  text the joint level 4 searches (TLDR: the detailed summary only; arXiv: both).
+
+Level 2 (the length ratio) and the Jaccard term relate the two completions and have no individual
+counterpart. Maxima: TLDR agent 0 1.0, agent 1 1.4; arXiv 1.4 each.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import (
     char_length_ratio,
     content_jaccard,
+    distinct_word_share,
     token_count,
     transition_categories,
     unique_word_ratio,
@@ -88,7 +105,8 @@ class WritingRewardSpec:
     ``ratio_band``: band over ``rho = len(c2) / len(c1)`` (level 2).
     ``unique_words_band``: band over ``u = |U(c2)| / |U(c1)|`` (level 3).
     ``transitions_over_both``: count transition categories over c1 and c2 together (the union of
-    the categories found in each) rather than in c2 only (level 4).
+    the categories found in each) rather than in c2 only (level 4); for the individual rewards, whether
+    agent 0's transitions count as well as agent 1's.
     ``jaccard_cap``: content-word Jaccard at which J saturates to 1 (level 4).
     """
 
@@ -133,10 +151,14 @@ def _scaled(band: Band, x: float, maximum: float) -> float | None:
     return None if score is None else maximum * score
 
 
+def _within_token_bounds(spec: WritingRewardSpec, text: str) -> bool:
+    low, high = spec.token_bounds
+    return low <= token_count(text) <= high
+
+
 def _gate_scores(spec: WritingRewardSpec, c1: str, c2: str) -> Iterator[tuple[str, float | None]]:
     # A generator, so that nothing after a failed level is computed.
-    low, high = spec.token_bounds
-    in_bounds = all(low <= token_count(c) <= high for c in (c1, c2))
+    in_bounds = _within_token_bounds(spec, c1) and _within_token_bounds(spec, c2)
     yield "length", LENGTH_REWARD if in_bounds else None
     yield "ratio", _scaled(spec.ratio_band, char_length_ratio(c1, c2), RATIO_REWARD)
     yield (
@@ -158,6 +180,19 @@ def writing_reward(spec: WritingRewardSpec, c1: str, c2: str) -> RewardResult:
         categories |= transition_categories(c1)
     parts["transitions"] = TRANSITION_WEIGHT * transition_score(len(categories))
     parts["jaccard"] = JACCARD_WEIGHT * jaccard_score(content_jaccard(c1, c2), spec.jaccard_cap)
+    return RewardResult(total=sum(parts.values()), parts=parts)
+
+
+def individual_writing_reward(spec: WritingRewardSpec, seat: int, completion: str) -> RewardResult:
+    """Agent ``seat``'s (0 or 1) own reward for ``completion`` alone (module docstring): length gate,
+    distinct-word share, and its own transitions where the task's joint reward counts them."""
+    if seat not in (0, 1):
+        raise ValueError(f"seat must be 0 or 1 (a writing task has two agents), got {seat!r}")
+    if not _within_token_bounds(spec, completion):
+        return RewardResult(total=0.0, parts={"length": 0.0})
+    parts = {"length": LENGTH_REWARD, "unique_words": UNIQUE_WORDS_REWARD * distinct_word_share(completion)}
+    if seat == 1 or spec.transitions_over_both:
+        parts["transitions"] = TRANSITION_WEIGHT * transition_score(len(transition_categories(completion)))
     return RewardResult(total=sum(parts.values()), parts=parts)
 
 
@@ -187,6 +222,18 @@ def arxiv_reward(background: str, methods: str) -> RewardResult:
     ``J = min(jaccard, 0.23) / 0.23``.
     """
     return writing_reward(ARXIV_SPEC, background, methods)
+
+
+def tldr_individual_rewards(summary: str, detailed: str) -> list[RewardResult]:
+    """Each TLDR agent's own reward (max 1.0 for the summary, 1.4 for the detailed one): length gate
+    8..256 tokens, distinct-word share, and for the detailed summary its transition categories."""
+    return [individual_writing_reward(TLDR_SPEC, seat, text) for seat, text in enumerate((summary, detailed))]
+
+
+def arxiv_individual_rewards(background: str, methods: str) -> list[RewardResult]:
+    """Each arXiv agent's own reward (max 1.4 each): length gate 128..256 tokens, distinct-word share,
+    and its own transition categories."""
+    return [individual_writing_reward(ARXIV_SPEC, seat, text) for seat, text in enumerate((background, methods))]
 
 
 #: The writing rewards by task name, each a function of (c1, c2).
