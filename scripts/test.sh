@@ -17,6 +17,11 @@ if ! command -v bwrap >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq bubblewrap
 fi
+# The sandbox's seccomp filter is built with libseccomp (Debian/Ubuntu package `libseccomp2`, usually present).
+if ! "$PY" -c "import pyseccomp" 2>/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libseccomp2
+fi
 # The eval report's screenshot test renders report.html in headless Chromium (Debian package `chromium`).
 if ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

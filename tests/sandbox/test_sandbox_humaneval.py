@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from teamrl.envs.coding import humaneval_item
 from teamrl.rewards.code import grade_team_code
 from teamrl.sandbox import SandboxLimits, SandboxPool, humaneval_tests
 
@@ -92,3 +93,44 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems, humaneval_pool):
     assert all(grade.reward.parts["tests"] < 1.0 for grade in wrong_grades)
     returns_none = wrong_grades[1::2]
     assert sum(g.record.passed for g in returns_none) < 0.1 * sum(g.record.total for g in returns_none)
+
+
+# The three cheats that earned 4.0 on every problem before the test outcome moved out of the program's
+# reach (issue #22): each as the main agent's code, with a helper whose `aux` returns something.
+ISSUE_CHEATS = {
+    "patch the harness": (
+        "def aux(*args):\n    return object()\n",
+        "import __main__\n__main__.describe_failure = lambda *a, **k: {'passed': True}\n"
+        "def {entry}(*args):\n    __main__.describe_failure = lambda *a, **k: {'passed': True}\n"
+        "    return aux(*args)\n"),
+    "forge the result pipe and exit": (
+        "def aux(*args):\n    return 0\n",
+        "import os\ndef {entry}(*args):\n    aux(*args)\n    for fd in range(3, 256):\n        try:\n"
+        "            os.write(fd, b'{\"passed\": true}')\n        except OSError:\n            pass\n    os._exit(0)\n"),
+    "object equal to everything": (
+        "class Anything:\n    def __eq__(self, other):\n        return True\n    def __bool__(self):\n"
+        "        return True\ndef aux(*args):\n    return Anything()\n",
+        "def {entry}(*args):\n    return aux(*args)\n"),
+}
+
+
+@pytest.mark.parametrize("cheat", list(ISSUE_CHEATS))
+def test_cheats_earn_no_test_credit_on_any_problem(problems, humaneval_pool, cheat):
+    items = [humaneval_item(row, row["task_id"]) for row in problems]
+    helper, main = ISSUE_CHEATS[cheat]
+    grades = grade_team_code([f"```python\n{helper}```"] * len(items),
+                             [f"```python\n{main.replace('{entry}', item['entry_point'])}```" for item in items],
+                             [item["entry_point"] for item in items], [item["tests"] for item in items],
+                             humaneval_pool, preambles=[item["preamble"] for item in items])
+    credited = [(row["task_id"], grade.record.passed) for row, grade in zip(problems, grades) if grade.record.passed]
+    assert credited == []
+    assert max(grade.reward.total for grade in grades) == pytest.approx(0.4 + 0.6 + 0.5)  # structure, syntax
+
+
+def test_canonical_solutions_pass_as_the_environment_grades_them(problems, humaneval_pool):
+    """With each problem's preamble as the tests' trusted setup, as CodingEnv grades."""
+    items = [humaneval_item(row, row["task_id"]) for row in problems]
+    grades = grade_team_code([""] * len(items), [row["prompt"] + row["canonical_solution"] for row in problems],
+                             [item["entry_point"] for item in items], [item["tests"] for item in items],
+                             humaneval_pool, preambles=[item["preamble"] for item in items])
+    assert [row["task_id"] for row, grade in zip(problems, grades) if not grade.record.all_passed] == []

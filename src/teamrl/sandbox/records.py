@@ -18,9 +18,10 @@ class TestOutcome:
     Attributes:
         index: position of the test in the program's test list.
         passed: the snippet ran to the end without raising.
-        error_type: exception class name; or ``Timeout``, ``Killed`` (by a signal), ``NoResult``
-            (the test process exited without reporting, e.g. ``os._exit``), ``NotRun`` (the sandbox
-            ended before this test).
+        error_type: exception class name; or ``Timeout``, ``Killed`` (the program process, by a
+            signal), ``NoResult`` (the program process exited without answering, e.g. ``os._exit``,
+            or answered with something that is not a reply), ``NotRun`` (the sandbox, or its program
+            server, ended before this test).
         message: the exception message; for a failed comparison assert, ``expected A == B`` text.
         expected, actual: ``repr`` of the two sides of a failed comparison assert (``actual`` is the
             side that calls the program).
@@ -30,7 +31,8 @@ class TestOutcome:
         timed_out: the test hit its wall-clock limit.
         signal: name of the signal that killed the test process (``SIGKILL``, ``SIGSEGV``...).
         limit: the resource limit that stopped it, when one did: ``wall_time``, ``cpu_time``,
-            ``memory`` (MemoryError), ``file_size`` (EFBIG), ``processes`` (fork failed with EAGAIN).
+            ``memory`` (MemoryError, or a process killed for the program's total memory cap),
+            ``file_size`` (EFBIG), ``processes`` (fork failed with EAGAIN).
         duration_s: wall time of the test, program loading included.
     """
 
@@ -70,6 +72,8 @@ class ExecutionRecord:
         stdout_truncated, stderr_truncated: whether output was dropped.
         wall_time_s: wall time of the whole run, sandbox start-up included.
         sandboxed: False when the program ran without bubblewrap (``allow_unsandboxed``).
+        memory_peak_bytes: most memory all the program's processes held at once, as its memory
+            cgroup measured it (None without a cgroup, see ``teamrl.sandbox.cgroups``).
     """
 
     tests: tuple[TestOutcome, ...]
@@ -81,6 +85,7 @@ class ExecutionRecord:
     stderr_truncated: bool = False
     wall_time_s: float = 0.0
     sandboxed: bool = True
+    memory_peak_bytes: int | None = None
 
     @property
     def passed(self) -> int:

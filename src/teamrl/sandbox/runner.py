@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -12,7 +13,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Iterable
 
 from teamrl.sandbox.asserts import rewrite_asserts
-from teamrl.sandbox.bubblewrap import (SCRATCH_DIR, Bubblewrap, SandboxUnavailableError, bwrap_command,
-                                       find_bubblewrap, python_roots)
+from teamrl.sandbox.bubblewrap import (_SYSTEM_DIRS, SCRATCH_DIR, Bubblewrap, SandboxUnavailableError, _is_within,
+                                       bwrap_command, find_bubblewrap, python_roots, site_package_dirs)
+from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
 from teamrl.sandbox.limits import SandboxLimits
 from teamrl.sandbox.program import Program
 from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
+from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, no_user_namespaces_filter
 
 _log = logging.getLogger("teamrl.sandbox")
 
@@ -49,26 +51,51 @@ class SandboxError(RuntimeError):
 class _Backend:
     bwrap: Bubblewrap | None  # None: unsandboxed, by the user's explicit choice
     roots: tuple[str, ...]
+    hidden: tuple[str, ...] = ()  # site-packages directories the sandbox replaces by empty ones
+    seccomp: bytes | None = None  # the filter against new user namespaces (teamrl.sandbox.seccomp)
+    cgroups: CgroupFactory | None = None  # None: the memory cap is split over the processes
 
 
 def _resolve_backend(allow_unsandboxed: bool) -> _Backend:
+    cgroups = _memory_cgroups()
     try:
-        return _Backend(find_bubblewrap(), python_roots())
+        bwrap, roots = find_bubblewrap(), python_roots()
     except SandboxUnavailableError as error:
         if not allow_unsandboxed:
             raise
         _log.warning(
             "Running model-written code WITHOUT a sandbox because allow_unsandboxed=True (%s). Programs "
             "get resource limits and a clean environment only: they can read and write your files, "
-            "reach the network and signal your processes.", error)
-        return _Backend(None, ())
+            "reach the network, signal your processes and so forge their own test results.", error)
+        return _Backend(None, (), cgroups=cgroups)
+    return _Backend(bwrap, roots, _hidden_dirs(roots), _seccomp_filter(bwrap), cgroups)
 
 
 @functools.lru_cache(maxsize=None)
-def _site_dirs() -> tuple[str, ...]:
-    """This interpreter's site-packages directories (so sandboxed code can import e.g. numpy)."""
-    paths = sysconfig.get_paths()
-    return tuple(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+def _memory_cgroups() -> CgroupFactory | None:
+    factory = memory_cgroups()
+    if factory is None:
+        _log.info("no writable memory cgroup: each sandboxed process gets total_memory_bytes / max_processes "
+                  "of address space instead (see teamrl.sandbox.cgroups)")
+    return factory
+
+
+def _hidden_dirs(roots: tuple[str, ...]) -> tuple[str, ...]:
+    """The site-packages directories that the sandbox would otherwise show (they lie under a bound path)."""
+    shown = tuple(os.path.realpath(path) for path in (*roots, *_SYSTEM_DIRS) if os.path.isdir(path))
+    real = dict.fromkeys(os.path.realpath(path) for path in site_package_dirs())
+    return tuple(path for path in real if any(_is_within(path, parent) for parent in shown))
+
+
+def _seccomp_filter(bwrap: Bubblewrap) -> bytes | None:
+    try:
+        return no_user_namespaces_filter()
+    except SeccompUnavailableError as error:
+        if bwrap.privileged or not bwrap.supports_disable_userns:
+            # Nothing else would stop graded code from creating user namespaces.
+            raise SandboxUnavailableError(str(error)) from None
+        _log.info("%s; bubblewrap's --disable-userns keeps user namespaces out of the sandbox", error)
+        return None
 
 
 def _environment(home: str) -> dict[str, str]:
@@ -172,14 +199,31 @@ def _not_run(index: int, status: str) -> TestOutcome:
                        timed_out=status == TIMED_OUT, limit="wall_time" if status == TIMED_OUT else None)
 
 
-def _command(backend: _Backend, limits: SandboxLimits, result_fd: int) -> list[str]:
+def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_fd: int | None) -> list[str]:
     # -S: no site module, so no .pth start-up hooks of the host run in the sandbox (and start-up is
-    # several times faster); the driver adds the site-packages directories to sys.path itself.
+    # several times faster), and no third-party package is importable there.
     harness = [sys.executable, "-I", "-S", "-c", _HARNESS_SOURCE, str(result_fd)]
     if backend.bwrap is None:
         return harness + ["-1", "-1", "0"]
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if backend.bwrap.privileged else -1
-    return bwrap_command(backend.bwrap, limits.scratch_bytes, backend.roots) + harness + [str(uid), str(uid), "1"]
+    sandbox = bwrap_command(backend.bwrap, limits.scratch_bytes, backend.roots, hidden=backend.hidden,
+                            seccomp_fd=seccomp_fd)
+    return sandbox + harness + [str(uid), str(uid), "1"]
+
+
+def _driver_limits(limits: SandboxLimits, cgroup: MemoryCgroup | None) -> dict[str, float | int]:
+    """The per-process limits the driver applies: with no cgroup to cap the total, the total split."""
+    values = limits.to_dict()
+    if cgroup is None:
+        values["memory_bytes"] = limits.split_memory_bytes
+    return values
+
+
+def _memory_kills(outcomes: list[TestOutcome], limits: SandboxLimits) -> list[TestOutcome]:
+    """Outcomes of processes the cgroup's cap killed (SIGKILL, no other limit), marked as such."""
+    note = f" (the program's memory cap of {limits.total_memory_bytes} bytes for all its processes)"
+    return [dataclasses.replace(o, limit="memory", message=(o.message or "") + note)
+            if o.signal == "SIGKILL" and o.limit is None else o for o in outcomes]
 
 
 def _end(proc: subprocess.Popen, grace_s: float) -> None:
@@ -197,41 +241,63 @@ def _end(proc: subprocess.Popen, grace_s: float) -> None:
 def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> ExecutionRecord:
     started = time.monotonic()
     tests = [rewrite_asserts(test) for test in program.tests]
-    payload = json.dumps({"code": program.code, "tests": tests, "limits": limits.to_dict(),
-                          "site_dirs": list(_site_dirs())})
+    cgroup = backend.cgroups.create(limits.total_memory_bytes) if backend.cgroups is not None else None
+    payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests,
+                          "limits": _driver_limits(limits, cgroup), "sys_path": []})
     scratch_dir = tempfile.TemporaryDirectory(prefix="teamrl-unsandboxed-") if backend.bwrap is None \
         else contextlib.nullcontext()  # bubblewrap provides the scratch directory itself
-    with scratch_dir as scratch:
-        result_r, result_w = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                _command(backend, limits, result_w), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(result_w,), env=_environment(scratch or SCRATCH_DIR),
-                cwd=scratch, start_new_session=True)
-        except BaseException:
-            os.close(result_r)
-            raise
-        finally:
-            os.close(result_w)
-        collector = _Collector(proc, result_r, payload.encode(), limits)
-        timed_out = True
-        try:
-            timed_out = collector.run(started + limits.program_timeout_s + _GRACE_S)
-        finally:
-            collector.close()
-            _end(proc, grace_s=0.0 if timed_out else _STRAGGLER_S)
-            os.close(result_r)
+    try:
+        with scratch_dir as scratch:
+            proc, collector, timed_out = _run_sandbox(backend, limits, cgroup, payload, scratch, started)
+        memory_peak = cgroup.peak_bytes() if cgroup is not None else None
+        memory_kills = cgroup.oom_kills() if cgroup is not None else 0
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
     ready, outcomes, done = _parse_results(bytes(collector.data["results"]), len(program.tests))
     stderr = bytes(collector.data["stderr"]).decode(errors="replace")
     if not ready:
         raise SandboxError(f"the sandbox did not start (exit status {proc.returncode}): {stderr.strip()!r}")
     status = COMPLETED if done else TIMED_OUT if timed_out else ABORTED
     outcomes += [_not_run(index, status) for index in range(len(outcomes), len(program.tests))]
+    if memory_kills:
+        outcomes = _memory_kills(outcomes, limits)
     return ExecutionRecord(
         tests=tuple(outcomes), status=status, exit_code=proc.returncode,
         stdout=bytes(collector.data["stdout"]).decode(errors="replace"), stderr=stderr,
         stdout_truncated=collector.dropped["stdout"] > 0, stderr_truncated=collector.dropped["stderr"] > 0,
-        wall_time_s=round(time.monotonic() - started, 4), sandboxed=backend.bwrap is not None)
+        wall_time_s=round(time.monotonic() - started, 4), sandboxed=backend.bwrap is not None,
+        memory_peak_bytes=memory_peak)
+
+
+def _run_sandbox(backend: _Backend, limits: SandboxLimits, cgroup: MemoryCgroup | None, payload: str,
+                 scratch: str | None, started: float) -> tuple[subprocess.Popen, _Collector, bool]:
+    """Start the sandbox (in ``cgroup``), feed it the payload, collect its output until it ends or the
+    program's budget (plus a grace) is spent; (process, collector, whether the deadline passed)."""
+    result_r, result_w = os.pipe()
+    seccomp_fd = filter_descriptor(backend.seccomp) if backend.seccomp is not None else None
+    passed = (result_w,) if seccomp_fd is None else (result_w, seccomp_fd)
+    command = _command(backend, limits, result_w, seccomp_fd)
+    try:
+        proc = subprocess.Popen(
+            cgroup.wrap(command) if cgroup is not None else command, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=passed,
+            env=_environment(scratch or SCRATCH_DIR), cwd=scratch, start_new_session=True)
+    except BaseException:
+        os.close(result_r)
+        raise
+    finally:
+        for fd in passed:
+            os.close(fd)
+    collector = _Collector(proc, result_r, payload.encode(), limits)
+    timed_out = True
+    try:
+        timed_out = collector.run(started + limits.program_timeout_s + _GRACE_S)
+    finally:
+        collector.close()
+        _end(proc, grace_s=0.0 if timed_out else _STRAGGLER_S)
+        os.close(result_r)
+    return proc, collector, timed_out
 
 
 def run_program(program: Program, limits: SandboxLimits | None = None, *,
