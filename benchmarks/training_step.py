@@ -23,6 +23,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,22 +42,25 @@ def measure(config: str, overrides: list[str], steps: int) -> dict:
     from teamrl.train import Trainer
 
     torch.set_num_threads(int(os.environ.get("TEAMRL_BENCH_THREADS", "2")))
-    cfg = load_config(config, ["logging.sample_every=0", "logging.progress_bar=false", *overrides])
-    trainer = Trainer(cfg)
-    records = []
-    for _ in range(steps):
-        metrics = trainer.train_step()
-        joint_actions = sum(v for k, v in metrics.items() if k.endswith("/joint_actions"))
-        records.append({
-            "step_s": metrics["time/step"],
-            "generation_s": metrics["time/generation"],
-            "update_s": metrics["time/update"],
-            "reward_s": metrics["time/step"] - metrics["time/generation"] - metrics["time/update"],
-            "tokens": metrics["tokens/generated"],
-            "joint_actions": joint_actions,
-            "reward": metrics["reward/mean"],
-            "rss_mb": _rss_mb(),
-        })
+    # A run directory of its own: the config's may hold a real run, which a Trainer refuses to build on.
+    with tempfile.TemporaryDirectory(prefix="teamrl-bench-") as run_dir:
+        cfg = load_config(config, ["logging.sample_every=0", "logging.progress_bar=false", f"run_dir={run_dir}",
+                                   *overrides])
+        trainer = Trainer(cfg)
+        records = []
+        for _ in range(steps):
+            metrics = trainer.train_step()
+            joint_actions = sum(v for k, v in metrics.items() if k.endswith("/joint_actions"))
+            records.append({
+                "step_s": metrics["time/step"],
+                "generation_s": metrics["time/generation"],
+                "update_s": metrics["time/update"],
+                "reward_s": metrics["time/step"] - metrics["time/generation"] - metrics["time/update"],
+                "tokens": metrics["tokens/generated"],
+                "joint_actions": joint_actions,
+                "reward": metrics["reward/mean"],
+                "rss_mb": _rss_mb(),
+            })
     return {"steps": records, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

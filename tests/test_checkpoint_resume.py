@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 STEPS = 24
 SAVE_EVERY = 4
@@ -96,3 +97,34 @@ def test_teamrl_train_end_to_end_leaves_metrics_checkpoint_and_team(tmp_path, ti
     assert (run / "checkpoints" / "latest").read_text() == "step_000003"
     assert (run / "team" / "team.json").exists()
     assert "team saved to" in result.stdout
+
+
+def test_resume_skips_a_damaged_checkpoint_for_the_newest_readable_one(tmp_path, tiny_config_data, caplog):
+    from teamrl.cli import main
+
+    config = _write_config(tiny_config_data, tmp_path, "damaged")
+    run = tmp_path / "damaged"
+    assert main(["train", str(config), "steps=3", "checkpoint.save_every=1"]) == 0
+    uninterrupted = _metrics(run)
+    newest = run / "checkpoints" / "step_000003"
+    tensors = newest / "first.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])  # a truncated tensor file
+
+    assert main(["train", str(config), "steps=3", "checkpoint.save_every=1", "--resume"]) == 0
+    assert "checkpoints/step_000003 cannot be read" in caplog.text and "step_000002" in caplog.text
+    resumed = _metrics(run)
+    assert [m["step"] for m in resumed] == [1, 2, 3]  # step 3 redone from step 2's checkpoint
+    for key in ("reward/mean", "loss", "first/grad_norm"):
+        assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-6), key
+    assert (run / "checkpoints" / "latest").read_text() == "step_000003"
+    load_file(str(tensors))  # written again, whole
+
+
+def test_checkpoints_are_pruned_by_step_number_not_by_name(tmp_path):
+    from teamrl.checkpoint import save_checkpoint
+
+    for step in (999_998, 999_999, 1_000_000):  # past six digits, "step_1000000" sorts before "step_999999"
+        save_checkpoint(tmp_path, step, {}, keep_last=2)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_1000000", "step_999999"]
+    assert (checkpoints / "latest").read_text() == "step_1000000"

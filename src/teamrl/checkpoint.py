@@ -4,7 +4,7 @@ A checkpoint is a directory ``checkpoints/step_000123`` holding, per agent, its 
 (the adapter, or the whole model) and optimiser and scheduler state, plus the RNG states and the step.
 It is written under a temporary name, every file fsync'd, then renamed into place in one step, so a
 directory with the final name is always complete; ``latest`` names the newest one and is replaced the
-same way.
+same way. Checkpoints are ordered by their step number, never by name.
 
 The writer and the reader deal in :class:`AgentState` (plain CPU tensors and state dicts), not in live
 agents, so a driver can checkpoint agents that live in other processes or on other machines
@@ -26,9 +26,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from teamrl.run_dir import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, checkpoint_step, complete_checkpoints
 from teamrl.team import Agent
 
 LATEST = "latest"
+
+
+class CheckpointUnreadable(ValueError):
+    """A complete checkpoint's files cannot be read back (truncated or damaged after it was written)."""
 
 
 @dataclass
@@ -73,11 +78,11 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint for ``step`` (``agents``: each agent's state by name) atomically and prune all
-    but the ``keep_last`` newest."""
-    root = Path(run_dir) / "checkpoints"
+    but the ``keep_last`` newest (by step)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for name, state in agents.items():
@@ -96,36 +101,46 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync(root)
     _atomic_write(root / LATEST, final.name)
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
+    for old in complete_checkpoints(run_dir)[keep_last:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "state.json").is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
-    return complete[-1] if complete else None
+def discard_checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
+    """Remove the run's checkpoints of steps after ``step`` and point ``latest`` at ``step``'s; returns what
+    was removed. A run resumed from ``step`` redoes those steps, and a newer checkpoint left in place
+    would outrank the new ones when pruning."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    newer = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*")
+             if p.name.removeprefix(CHECKPOINT_PREFIX).isdigit() and checkpoint_step(p) > step]
+    for path in newer:
+        shutil.rmtree(path)
+    _atomic_write(root / LATEST, f"{CHECKPOINT_PREFIX}{step:06d}")
+    return newer
 
 
 def load_checkpoint(path: str | Path, names: Sequence[str]) -> tuple[dict[str, AgentState], dict[str, Any]]:
-    """The states of agents ``names`` and the saved state (with ``step``); restores this process's RNG states."""
+    """The states of agents ``names`` and the saved state (with ``step``); restores this process's RNG states.
+
+    Raises:
+        CheckpointUnreadable: a file of the checkpoint is missing, truncated or damaged (nothing is
+            restored then).
+    """
     path = Path(path)
-    agents = {name: AgentState(load_file(str(path / f"{name}.safetensors")),
-                               torch.load(path / f"{name}.optim.pt", weights_only=False))
-              for name in names}
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    try:
+        agents = {name: AgentState(load_file(str(path / f"{name}.safetensors")),
+                                   torch.load(path / f"{name}.optim.pt", weights_only=False))
+                  for name in names}
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        state = json.loads((path / "state.json").read_text())
+    except Exception as err:  # safetensors, zip, pickle and JSON each fail on damage in their own way
+        raise CheckpointUnreadable(f"checkpoint {path} cannot be read ({type(err).__name__}: {err})") from err
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.random.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return agents, json.loads((path / "state.json").read_text())
+    return agents, state
 
 
 def _parameter_names(agent) -> dict[int, str]:

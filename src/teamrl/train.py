@@ -7,11 +7,14 @@ step sees, keeps optimisers and schedules, writes metrics and samples, and saves
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,18 +25,19 @@ import torch
 import yaml
 
 from teamrl.algorithms import magrpo
-from teamrl.checkpoint import (AgentState, agent_state, latest_checkpoint, load_checkpoint, restore_agent_state,
-                               save_checkpoint)
+from teamrl.checkpoint import (AgentState, CheckpointUnreadable, agent_state, discard_checkpoints_after,
+                               load_checkpoint, restore_agent_state, save_checkpoint)
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
 from teamrl.rollout.generate import Generation, derive_seed, seeded
+from teamrl.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TEAM_DIR, TENSORBOARD_DIR,
+                            RunDirError, claim_run_dir, clear_run_outputs, complete_checkpoints, resume_command)
 from teamrl.team import Agent, Team
 
 if TYPE_CHECKING:
     from teamrl.distributed import RayTeam
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
+log = logging.getLogger(__name__)
 #: Held-out items per generate call in :meth:`Trainer.evaluate`: on 2 CPU cores, 8 items x 2 samples cost
 #: 17.7 s and 32 x 2 cost 96.8 s in one call (longer padded rows, bigger caches): 4 x 17.7 s in calls of 8.
 EVAL_ITEMS_PER_BATCH = 8
@@ -100,6 +104,17 @@ def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]
     return [stats[k] for k in range(len(agents))]
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """:meth:`Trainer.train` stopped on SIGINT (Ctrl-C) or SIGTERM. The message says which checkpoint holds
+    the run and how to resume it. A KeyboardInterrupt, like the one Ctrl-C raises: ``except Exception``
+    does not swallow it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+        """The exit status of a process killed by that signal, as shells report it."""
+
+
 class Trainer:
     """Trains a team with MAGRPO as ``config`` says.
 
@@ -107,10 +122,42 @@ class Trainer:
     With ``distributed.backend='ray'`` the agents live in Ray actors (``team`` is then a
     :class:`~teamrl.distributed.RayTeam`) and this process drives them: it samples every turn through all
     of them at once, computes rewards and advantages itself, and has them all update at once.
+
+    A Trainer holds ``config.run_dir`` from construction until :meth:`close` (or the end of a ``with``
+    block, or of the process): a second training into it is refused (:mod:`teamrl.run_dir`). ``resume``
+    continues the run there from its newest readable checkpoint; ``overwrite`` replaces the run there;
+    without either, a directory that already holds a run is refused. These checks run before any model
+    loads.
     """
 
-    def __init__(self, config: TrainConfig, *, team: Team | None = None, env: Environment | None = None):
+    def __init__(self, config: TrainConfig, *, team: Team | None = None, env: Environment | None = None,
+                 resume: bool = False, overwrite: bool = False):
         self.config = config
+        self.run_dir = Path(config.run_dir)
+        self._run_lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        try:
+            self._build(team, env)
+            if resume:
+                self._resume()
+            elif overwrite:  # only now that the new run could be built: a failed load keeps the old run
+                clear_run_outputs(self.run_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the run directory (another training may use it then)."""
+        self._run_lock.release()
+
+    def _build(self, team: Team | None, env: Environment | None) -> None:
+        """The environment, the team (or its Ray actors), the data and the optimisers."""
+        config = self.config
         if config.logging.tensorboard:
             _require("tensorboard", "logging.tensorboard")
         if config.logging.wandb_project:
@@ -149,7 +196,6 @@ class Trainer:
                 optimizer, scheduler = make_optimizer(agent.parameters, config, agent_cfg.lr)
                 self.optimizers.append(optimizer)
                 self.schedulers.append(scheduler)
-        self.run_dir = Path(config.run_dir)
         self.step = 0
         self._writers: list[Any] = []
 
@@ -189,30 +235,42 @@ class Trainer:
         self._last_tree = tree
         return metrics
 
-    def train(self, resume: bool = False) -> list[dict[str, float]]:
-        """Run until ``config.steps`` updates are done; with ``resume``, continue from the last checkpoint."""
+    def train(self) -> list[dict[str, float]]:
+        """Run until ``config.steps`` updates are done (from the checkpoint, when built with ``resume``).
+
+        SIGINT (Ctrl-C) or SIGTERM stops the run at the end of the step under way: that step is
+        checkpointed and :class:`TrainingInterrupted` says how to resume. A second one stops at once,
+        keeping the last checkpoint.
+        """
         config = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume:
-            self._resume()
-        else:
-            for name in (METRICS_FILE, SAMPLES_FILE):
-                (self.run_dir / name).unlink(missing_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
         self._open_writers()
         history = []
         progress = _progress(config, initial=self.step)
         try:
-            while self.step < config.steps:
-                metrics = self.train_step()
-                history.append(metrics)
-                self._log(metrics)
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss']:.3g}")
-                every = config.checkpoint.save_every
-                if self.step == config.steps or (every and self.step % every == 0):
-                    self.save()
+            with _StopAtStepEnd() as stop:
+                while self.step < config.steps:
+                    metrics = self.train_step()
+                    history.append(metrics)
+                    self._log(metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss']:.3g}")
+                    every = config.checkpoint.save_every
+                    # A signal during the last step changes nothing: the run is complete.
+                    stopping = stop.signum is not None and self.step < config.steps
+                    if self.step == config.steps or (every and self.step % every == 0) or stopping:
+                        checkpoint = self.save()
+                    if stopping:
+                        raise TrainingInterrupted(
+                            f"{signal.Signals(stop.signum).name}: stopped after step {self.step} of {config.steps}, "
+                            f"saved in {checkpoint}; resume with: {resume_command(self.run_dir)}", stop.signum)
+        except _StopNow as stop_now:
+            kept = complete_checkpoints(self.run_dir)
+            what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {resume_command(self.run_dir)}" if kept
+                    else "no checkpoint was written: start again with --overwrite")
+            raise TrainingInterrupted(f"{signal.Signals(stop_now.signum).name} twice: stopped at once; {what}",
+                                      stop_now.signum) from None
         finally:
             if progress is not None:
                 progress.close()
@@ -223,7 +281,7 @@ class Trainer:
     def save_team(self, directory: str | Path | None = None) -> Path:
         """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
         env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
-        return self.team.save_pretrained(directory or self.run_dir / "team",
+        return self.team.save_pretrained(directory or self.run_dir / TEAM_DIR,
                                          metadata={"env": env, "seed": self.config.seed, "step": self.step})
 
     def save(self) -> Path:
@@ -289,19 +347,28 @@ class Trainer:
         return [agent_state(*live) for live in zip(self.team, self.optimizers, self.schedulers)]
 
     def _resume(self) -> None:
-        for partial in (self.run_dir / "checkpoints").glob(".tmp-*"):  # left by a run killed mid-save
+        """Load the newest checkpoint that reads back whole (a damaged one is skipped with a warning: that
+        is what ``checkpoint.keep_last`` > 1 keeps older ones for) and drop what the run logged after it."""
+        for partial in (self.run_dir / CHECKPOINTS_DIR).glob(".tmp-*"):  # left by a run killed mid-save
             shutil.rmtree(partial, ignore_errors=True)
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is None:
-            return
-        states, state = load_checkpoint(checkpoint, self.agent_names)
+        for checkpoint in complete_checkpoints(self.run_dir):
+            try:
+                states, state = load_checkpoint(checkpoint, self.agent_names)
+                break
+            except CheckpointUnreadable as err:
+                log.warning("%s; trying the checkpoint before it", err)
+        else:
+            raise RunDirError(f"run_dir: no checkpoint in {str(self.run_dir)!r} can be read (see the warnings "
+                              f"above); start a new run with --overwrite")
         if isinstance(self.team, Team):
             for agent, optimizer, scheduler in zip(self.team, self.optimizers, self.schedulers):
                 restore_agent_state(agent, optimizer, scheduler, states[agent.name], checkpoint)
         else:
             self.team.load_states([states[name] for name in self.agent_names], checkpoint)
         self.step = int(state["step"])
-        # Steps logged after the checkpoint by the killed run will be redone: drop them.
+        # Steps logged or checkpointed after this checkpoint will be redone: drop them.
+        for skipped in discard_checkpoints_after(self.run_dir, self.step):
+            log.warning("removed %s: the run resumes from %s and redoes its steps", skipped, checkpoint)
         for name in (METRICS_FILE, SAMPLES_FILE):
             _truncate_jsonl(self.run_dir / name, self.step)
 
@@ -310,7 +377,7 @@ class Trainer:
         if self.config.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writers.append(_TensorBoard(SummaryWriter(str(self.run_dir / "tensorboard"))))
+            self._writers.append(_TensorBoard(SummaryWriter(str(self.run_dir / TENSORBOARD_DIR))))
         if self.config.logging.wandb_project:
             import wandb
 
@@ -343,6 +410,42 @@ def _samples(tree: magrpo.Rollout, per_turn: int = 2) -> list[dict[str, Any]]:
                 "reward_parts": turn.results[m].parts,
             })
     return out
+
+
+class _StopNow(KeyboardInterrupt):
+    """A second SIGINT or SIGTERM while the run was finishing its step for the first one."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
+
+
+class _StopAtStepEnd:
+    """While active, the first SIGINT or SIGTERM only records itself (``signum``), for the training loop to
+    stop at the end of its step; a second one raises :class:`_StopNow` at once. Signal handlers can only
+    be set in the main thread: elsewhere signals keep their usual effect."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopAtStepEnd:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise _StopNow(signum)
+        self.signum = signum
+        # os.write, not print: a handler may run while the main thread is inside a print to stderr.
+        os.write(sys.stderr.fileno(), f"\nteamrl: {signal.Signals(signum).name}: finishing the step under way to "
+                                      f"save a checkpoint (send it again to stop at once)\n".encode())
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:

@@ -98,11 +98,11 @@ def test_ray_checkpoints_resume_and_saved_team_are_the_local_format(local_ray, t
         first.team.shutdown()
     shutil.copytree(tmp_path / "ray", tmp_path / "ray_resumed")
 
-    local = Trainer(_config(tiny_config_data, tmp_path / "ray", "local"))
-    expected = local.train(resume=True)
-    resumed = Trainer(_config(tiny_config_data, tmp_path / "ray_resumed", "ray"))
+    local = Trainer(_config(tiny_config_data, tmp_path / "ray", "local"), resume=True)
+    expected = local.train()
+    resumed = Trainer(_config(tiny_config_data, tmp_path / "ray_resumed", "ray"), resume=True)
     try:
-        actual = resumed.train(resume=True)
+        actual = resumed.train()
     finally:
         resumed.team.shutdown()
     assert [m["step"] for m in actual] == [m["step"] for m in expected] == [3]

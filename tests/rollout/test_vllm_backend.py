@@ -168,7 +168,7 @@ def test_exported_model_is_what_vllm_must_serve(tiny_config, tmp_path, training)
         assert not any("lora" in name for name in exported.state_dict())
 
 
-def test_weights_version_changes_with_every_update_and_checkpoint_load_only(tiny_config):
+def test_weights_version_changes_with_every_update_and_checkpoint_load_only(tiny_config, tmp_path):
     config = tiny_config(steps=1, team={"training": "lora"})
     trainer = Trainer(config)
     agent = trainer.team[0]
@@ -178,9 +178,9 @@ def test_weights_version_changes_with_every_update_and_checkpoint_load_only(tiny
     trainer.train()  # one update, then the final checkpoint
     assert weights_version(agent) != before
 
-    resumed = Trainer(config)
-    fresh = weights_version(resumed.team[0])
-    resumed.train(resume=True)  # loads the checkpoint; no step is left to run
+    fresh = weights_version(Trainer(tiny_config(steps=1, team={"training": "lora"},
+                                                run_dir=str(tmp_path / "fresh"))).team[0])
+    resumed = Trainer(config, resume=True)  # loads the checkpoint; no step is left to run
     assert resumed.step == 1 and weights_version(resumed.team[0]) != fresh
 
 
