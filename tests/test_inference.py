@@ -55,3 +55,31 @@ def test_teamrl_generate_runs_a_saved_team(tiny_config, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("joint reward") == 2
     assert "tokens/s" in result.stdout and "--- first" in result.stdout and "--- second" in result.stdout
+
+
+def _generate(capsys, *argv: str) -> tuple[int, str, str]:
+    from teamrl.cli import main
+
+    code = main(["generate", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_refuses_an_input_longer_than_the_context(tiny_config, tmp_path, capsys):
+    # A writing team, as `teamrl demo` saves one, on the tiny model (a 256-token context, one token a word).
+    directory = Trainer(tiny_config(env={"name": "tldr", "kwargs": {}})).save_team(tmp_path / "team")
+    capsys.readouterr()  # what saving printed
+    code, out, err = _generate(capsys, str(directory), "--text", "We propose a method that learns.")
+    assert code == 0, err
+    assert out.count("joint reward") == 1
+    code, out, err = _generate(capsys, str(directory), "--text", "word " * 2_000)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("teamrl: error: --text 1: ") and "context of 256 tokens" in err and "shorten" in err
+
+
+def test_generate_text_on_a_task_that_takes_no_text_says_what_it_takes(tiny_config, tmp_path, capsys):
+    directory = Trainer(tiny_config(steps=1)).save_team(tmp_path / "team")  # the README's smoke team: digit_sum
+    capsys.readouterr()  # what saving printed
+    code, out, err = _generate(capsys, str(directory), "--text", "hello")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--text: digit_sum" in err and "'target'" in err and "--split eval" in err and "--input-file" in err

@@ -9,8 +9,12 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from teamrl.config import ConfigError, describe_fields, load_config
+
+if TYPE_CHECKING:
+    from teamrl.envs.base import Environment, Item
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = commands.add_parser("generate", help="run a saved team on new inputs (decentralised execution)",
                               description="Each agent answers its own prompt, concurrently; the joint output, "
-                                          "its joint reward, tokens/s and latency are printed.")
+                                          "its joint reward, tokens/s and latency are printed. An input whose "
+                                          "prompt does not fit the model's context is refused.")
     gen.add_argument("team", help="directory written by training (RUN_DIR/team)")
     gen.add_argument("--text", action="append", default=[], help="an input text (repeatable)")
     gen.add_argument("--input-file", help="JSONL file of items in the environment's format")
@@ -166,29 +171,40 @@ def _generate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from teamrl.inference import run_team
-    from teamrl.team import Team
-
-    team = Team.from_pretrained(args.team)
-    manifest = json.loads((Path(args.team) / "team.json").read_text())
-    if "env" not in manifest:
-        raise ValueError(f"{args.team}: team.json names no environment to turn inputs into prompts")
     from teamrl.envs.base import make_env
 
-    env = make_env(manifest["env"]["name"], **manifest["env"].get("kwargs", {}))
-    if args.max_new_tokens:
-        for agent in team:
-            agent.sampling = dataclasses.replace(agent.sampling, max_new_tokens=args.max_new_tokens)
+    manifest_file = Path(args.team) / "team.json"
+    if not manifest_file.is_file():
+        raise ValueError(f"TEAM: {args.team!r} is not a saved team (no team.json); give the directory training "
+                         f"wrote, RUN_DIR/team")
+    manifest = json.loads(manifest_file.read_text())
+    if "env" not in manifest:
+        raise ValueError(f"{args.team}: team.json names no environment to turn inputs into prompts")
+    env_name = manifest["env"]["name"]
+    env = make_env(env_name, **manifest["env"].get("kwargs", {}))
     if args.text:
-        items = [{"id": f"input-{i}", "text": text} for i, text in enumerate(args.text)]
+        source, labels = "--text", [f"--text {i}" for i in range(1, len(args.text) + 1)]
+        items = [{"id": f"input-{i}", "text": text} for i, text in enumerate(args.text, 1)]
     elif args.input_file:
         from teamrl.data import load_records
 
         items = load_records(args.input_file, limit=args.limit)
+        source, labels = "--input-file", [f"--input-file item {i}" for i in range(1, len(items) + 1)]
     else:
-        items = list(env.items(args.split or "eval"))[: args.limit]
-    observations = [env.observe(item) for item in items]
-    output = run_team(team, observations)
+        split = args.split or "eval"
+        items = list(env.items(split))[: args.limit]
+        source, labels = "--split", [f"--split {split} item {item.get('id', i)}" for i, item in enumerate(items)]
+    observations = _observations(env, env_name, items, source)
+
+    # The inputs are good: only now load the models.
+    from teamrl.inference import run_team
+    from teamrl.team import Team
+
+    team = Team.from_pretrained(args.team, env)
+    if args.max_new_tokens:
+        for agent in team:
+            agent.sampling = dataclasses.replace(agent.sampling, max_new_tokens=args.max_new_tokens)
+    output = run_team(team, observations, labels=labels)
     for row, item in enumerate(items):
         actions = [texts[row] for texts in output.texts]
         reward = env.joint_reward(item, actions)
@@ -198,6 +214,18 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"{output.tokens} tokens in {output.seconds:.2f} s: {output.tokens_per_second:.1f} tokens/s, "
           f"{output.seconds / len(items):.2f} s per input (agents concurrently)")
     return 0
+
+
+def _observations(env: Environment, env_name: str, items: list[Item], source: str) -> list[list[str]]:
+    """Each item's observations; an item without a field the task reads is named with what it needs."""
+    try:
+        return [env.observe(item) for item in items]
+    except KeyError as err:
+        fields = ", ".join(env.items("eval")[0])
+        hint = ("free text will not do: run it on --split eval, or on --input-file with JSONL items that have "
+                "those fields") if source == "--text" else "give every item those fields"
+        raise ValueError(f"{source}: {env_name} needs items with the field {err} (its own items have: {fields}); "
+                         f"{hint}") from None
 
 
 if __name__ == "__main__":

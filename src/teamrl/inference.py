@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from teamrl.rollout.generate import generate_team
-from teamrl.team import Team
+from teamrl.team import Agent, Team
 
 
 @dataclass
@@ -30,11 +30,37 @@ class TeamOutput:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def run_team(team: Team, observations: list[list[str]], num_samples: int = 1) -> TeamOutput:
-    """Each agent i generates from ``observations[row][i]`` for every row; returns all agents' texts."""
+def run_team(team: Team, observations: list[list[str]], num_samples: int = 1, *,
+             labels: list[str] | None = None) -> TeamOutput:
+    """Each agent i generates from ``observations[row][i]`` for every row; returns all agents' texts.
+
+    Raises:
+        ValueError: a prompt does not leave room for ``max_new_tokens`` in its model's context (a longer
+            prompt would run for minutes and gigabytes before the model fails or rambles). The message
+            names the input (``labels[row]``, default ``input ROW``), the agent and how far to shorten it.
+    """
     prompts = [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)]
+    for i, agent in enumerate(team):
+        _check_context(agent, prompts[i], [obs[i] for obs in observations],
+                       labels or [f"input {row}" for row in range(len(observations))])
     start = time.perf_counter()
     generations = generate_team(team, prompts, num_samples, concurrent=True)
     seconds = time.perf_counter() - start
     return TeamOutput(texts=[g.texts for g in generations], tokens=sum(g.num_tokens for g in generations),
                       seconds=seconds)
+
+
+def _check_context(agent: Agent, prompts: list[str], observations: list[str], labels: list[str]) -> None:
+    context = getattr(agent.model.config, "max_position_embeddings", None)
+    if context is None:  # the model states no limit
+        return
+    room = context - agent.sampling.max_new_tokens
+    # Tokenised as generation tokenises them (encode_prompts), one list per prompt, unpadded.
+    encoded = agent.tokenizer(prompts, add_special_tokens=not agent.uses_chat_template)["input_ids"]
+    for label, ids, observation in zip(labels, encoded, observations):
+        if len(ids) > room:
+            excess = -(-len(observation) * (len(ids) - room) // len(ids))  # at the prompt's characters per token
+            raise ValueError(f"{label}: agent {agent.name!r}'s prompt is {len(ids):,} tokens, which with "
+                             f"max_new_tokens={agent.sampling.max_new_tokens:,} exceeds the model's context of "
+                             f"{context:,} tokens; shorten the input by about {excess:,} characters or more, or "
+                             f"lower max_new_tokens")
