@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval of the config)")
     evaluate.add_argument("--run-dir", default=None, help="a training run directory: adds its reward curve "
                                                           "(metrics.jsonl) to the report")
+    evaluate.add_argument("--team-sampling", choices=("saved", "config"), default="saved",
+                          help="sampling settings of team:PATH methods: each saved team's own (default), or the "
+                               "config's, as the baselines use")
 
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
@@ -157,7 +160,7 @@ def _eval(args: argparse.Namespace) -> int:
     from teamrl.evaluation.runner import EvalSettings, eval_config, parse_ks, parse_methods, run_evaluation
 
     settings = EvalSettings(tuple(parse_methods(args.methods)), args.split, args.max_items, args.num_samples,
-                            parse_ks(args.k))
+                            parse_ks(args.k), args.team_sampling)
     config = eval_config(args.target, args.overrides, args.model)
     history = read_history(args.run_dir) if args.run_dir else None
     results = run_evaluation(config, settings, log=lambda message: print(message, flush=True))

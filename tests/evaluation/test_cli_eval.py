@@ -61,3 +61,20 @@ def test_bad_input_is_one_line_naming_the_value_and_exit_code_2(capsys, tmp_path
 def test_a_run_dir_without_metrics_fails_before_anything_runs(capsys, tmp_path):
     code, out, err = run_cli(capsys, "digit_sum", "--run-dir", str(tmp_path), "--out", str(tmp_path / "never"))
     assert code == 2 and "--run-dir: " in err and "has no metrics.jsonl" in err and out == ""
+
+
+def _tokens_per_answer(capsys, tiny_eval, tmp_path, *extra: str) -> float:
+    import json
+
+    out_dir = tmp_path / "eval"
+    code, out, err = run_cli(capsys, "tiny_digit_sum", "--methods", f"team:{tiny_eval.run_dir / 'team'}",
+                             "--max-items", "3", "--num-samples", "2", "--out", str(out_dir),
+                             "team.sampling.max_new_tokens=64", *extra)
+    assert code == 0, err
+    return json.loads((out_dir / "results.json").read_text())["methods"][0]["metrics"]["tokens_per_answer"]
+
+
+def test_a_saved_team_samples_with_its_own_settings_unless_told_otherwise(tiny_eval, tmp_path, capsys):
+    # The team was trained and saved with max_new_tokens=4; the config asks for 64.
+    assert _tokens_per_answer(capsys, tiny_eval, tmp_path) <= 2 * 4  # two agents, 4 tokens each at most
+    assert _tokens_per_answer(capsys, tiny_eval, tmp_path, "--team-sampling", "config") > 2 * 4

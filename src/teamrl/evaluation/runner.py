@@ -1,8 +1,9 @@
 """``teamrl eval``: run methods (prompt-only baselines, trained teams) on one task and measure them alike.
 
-Every method answers the same items of the same environment, samples with the same settings (the
-config's ``team.sampling`` and per-agent overrides, a saved team's included) from the same seed, and
-is scored by the environment's own joint reward. Per method: normalised return, mean reward and the
+Every method answers the same items of the same environment from the same seed and is scored by the
+environment's own joint reward. The baselines sample with the config's ``team.sampling`` and per-agent
+overrides; a saved team with its own settings, those it was trained with (``team_sampling="config"``
+gives it the config's instead). Per method: normalised return, mean reward and the
 mean of each reward part; for coding tasks pass@k, accuracy@k, the fraction of tests passed and the
 cooperation-scheme distribution; for every method tokens, seconds and tokens/s of generation.
 
@@ -18,7 +19,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -124,6 +125,9 @@ class EvalSettings:
     num_samples: int = 1
     """n: joint actions each method samples per item (pass@k needs k <= n)."""
     ks: tuple[int, ...] = (1,)
+    team_sampling: Literal["saved", "config"] = "saved"
+    """How ``team:PATH`` methods sample: with each saved team's own settings (those of its training, e.g.
+    its ``max_new_tokens``), or with the config's, as the baselines do."""
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -194,7 +198,7 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
             type(env).single_agent_observation is Environment.single_agent_observation:
         raise ValueError(f"--methods: single: {type(env).__name__} defines no single-agent prompt; implement "
                          f"single_agent_observation and split_single_agent_output, or leave single out")
-    teams = _load_teams(config, env, settings.methods)
+    teams = _load_teams(config, env, settings.methods, settings.team_sampling)
     results = []
     try:
         for method, team in zip(settings.methods, teams):
@@ -217,9 +221,11 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
                        config_to_dict(config))
 
 
-def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]) -> list[Team]:
+def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method],
+                team_sampling: Literal["saved", "config"]) -> list[Team]:
     """The team each method runs: the config's untrained team (built once, shared), a one-agent team on
-    another model (``single:MODEL``) or a saved team with the config's sampling settings."""
+    another model (``single:MODEL``) or a saved team, with its own sampling settings or the config's
+    (``team_sampling``)."""
     untrained: Team | None = None
     teams = []
     for method in methods:
@@ -228,8 +234,9 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
             if len(team) != env.num_agents:
                 raise ValueError(f"--methods: {method.spec}: the saved team has {len(team)} agents but "
                                  f"{config.env.name} has {env.num_agents} seats")
-            for index, agent in enumerate(team):
-                agent.sampling = config.team.agent_sampling(index)
+            if team_sampling == "config":
+                for index, agent in enumerate(team):
+                    agent.sampling = config.team.agent_sampling(index)
         elif method.model is not None:
             model, tokenizer = load_base_model(method.model, env, seed=config.seed,
                                                dtype=getattr(torch, config.team.dtype), device=config.team.device)
