@@ -1,16 +1,23 @@
 """``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume | --overwrite]``,
 ``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl presets``, ``teamrl config``,
-``teamrl envs``."""
+``teamrl envs``.
+
+Only what a command needs is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs``
+never import torch or transformers (seconds on their own).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from teamrl import __version__
 from teamrl.config import ConfigError, describe_fields, load_config
 
 if TYPE_CHECKING:
@@ -19,9 +26,14 @@ if TYPE_CHECKING:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="teamrl", description="Train teams of LLM agents with MAGRPO.")
+    parser.add_argument("--version", action="version", version=f"teamrl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    # What the commands that load models share.
+    loads_models = argparse.ArgumentParser(add_help=False)
+    loads_models.add_argument("--verbose", action="store_true",
+                              help="keep the libraries' own output (transformers' progress bars, warnings)")
 
-    train = commands.add_parser("train", help="train a team", description=(
+    train = commands.add_parser("train", parents=[loads_models], help="train a team", description=(
         "Train a team with MAGRPO. Fields of the YAML config can be overridden with key=value, "
         "e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
         "Ctrl-C (or SIGTERM) stops at the end of the step under way, saves a checkpoint and prints the "
@@ -35,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     existing_run.add_argument("--overwrite", action="store_true",
                               help="replace the run in run_dir (its metrics, samples, checkpoints and team)")
 
-    gen = commands.add_parser("generate", help="run a saved team on new inputs (decentralised execution)",
+    gen = commands.add_parser("generate", parents=[loads_models],
+                              help="run a saved team on new inputs (decentralised execution)",
                               description="Each agent answers its own prompt, concurrently; the joint output, "
                                           "its joint reward, tokens/s and latency are printed. An input whose "
                                           "prompt does not fit the model's context is refused.")
@@ -46,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--limit", type=int, default=4, help="at most this many items from --split or --input-file")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's max_new_tokens")
 
-    demo = commands.add_parser("demo", help="the main job: train a 2-agent team of the bundled model on a CPU",
+    demo = commands.add_parser("demo", parents=[loads_models],
+                               help="the main job: train a 2-agent team of the bundled model on a CPU",
                                description="Train two SmolLM2-135M-Instruct agents (LoRA on one shared base) with "
                                            "MAGRPO on TL;DR-style two-level summaries of ACL abstracts, offline, and "
                                            "show the held-out joint reward before and after.")
@@ -59,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier run in the demo's run_dir")
 
     evaluate = commands.add_parser(
-        "eval", help="compare prompt-only baselines and trained teams on a task",
+        "eval", parents=[loads_models], help="compare prompt-only baselines and trained teams on a task",
         description="Run each method on the same items with the same sampling settings and seed, score it with "
                     "the environment's joint reward, and write results.md/.csv/.json, PNG plots and report.html. "
                     "Methods: single (one model does the whole job), single:MODEL (another model), concat (the "
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # overrides after an option: argparse leaves positionals there unparsed
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(args, "verbose", True):
+        _quiet_libraries()
     try:
         if args.command == "train":
             return _train(args)
@@ -132,6 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
         return getattr(err, "exit_code", 128 + signal.SIGINT)
     return 1
+
+
+def _quiet_libraries() -> None:
+    """Keep the console to what teamrl reports: no progress bars, info messages or FutureWarnings and
+    DeprecationWarnings (about their own or each other's versions) from transformers, huggingface_hub,
+    PEFT and torch. Set before they are imported, as they read these settings then (what the user set
+    in the environment stays), or directly when they already are (``main`` called in a Python session)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars follow this one
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _train(args: argparse.Namespace) -> int:

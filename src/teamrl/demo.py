@@ -26,7 +26,6 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
     training seeds are scored on the same draws, so their results differ only by what training did.
     """
     config = load_config(config_path or DEMO_PRESET, overrides)
-    _quiet_library_noise()
     start = time.perf_counter()
     print(f"teamrl demo: {len(config.team.agents)} agents on {config.team.model!r} "
           f"({config.team.training}), task {config.env.name!r}, {config.steps} MAGRPO steps "
@@ -72,14 +71,3 @@ def typical_row(before: list[float], after: list[float]) -> int:
     of what training typically changed, neither the best case nor the worst."""
     mean_before, mean_after = sum(before) / len(before), sum(after) / len(after)
     return min(range(len(before)), key=lambda row: abs(before[row] - mean_before) + abs(after[row] - mean_after))
-
-
-def _quiet_library_noise() -> None:
-    """Keep the newcomer's console to what teamrl reports: transformers' per-load weight bar, and PEFT
-    asking transformers 5 for a renamed attribute (a FutureWarning about their versions, not the run)."""
-    import warnings
-
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

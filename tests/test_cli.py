@@ -1,0 +1,52 @@
+"""The command line answers at once where it can, says its version, and keeps libraries' noise off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import teamrl
+from teamrl.cli import main
+
+HEAVY = ("torch", "transformers", "peft")
+
+
+def test_help_presets_config_and_envs_import_neither_torch_nor_transformers():
+    # What takes seconds to import must not be imported by commands that never need a model.
+    script = f"""
+import sys
+from teamrl.cli import main
+for argv in (["--help"], ["train", "--help"], ["presets"], ["config"], ["envs"]):
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    assert code == 0, (argv, code)
+print(sorted(name for name in {HEAVY!r} if name in sys.modules))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+    assert "tiny_digit_sum" in result.stdout and "digit_sum" in result.stdout and "algorithm.num_generations" in result.stdout
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as exit:
+        assert exit.code == 0
+    assert capsys.readouterr().out == f"teamrl {teamrl.__version__}\n"
+
+
+def test_library_noise_is_off_unless_verbose(tiny_config, tmp_path):
+    from teamrl.train import Trainer
+
+    team = Trainer(tiny_config(steps=1)).save_team(tmp_path / "team")
+    command = [sys.executable, "-m", "teamrl.cli", "generate", str(team), "--split", "eval", "--limit", "1"]
+    quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr == ""  # no loading bars, no FutureWarnings: only what teamrl reports, on stdout
+    verbose = subprocess.run([*command, "--verbose"], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "Warning" in verbose.stderr or "it/s" in verbose.stderr  # the libraries' own output, kept
+    assert verbose.stdout.count("joint reward") == quiet.stdout.count("joint reward") == 1
