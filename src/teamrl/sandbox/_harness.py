@@ -31,16 +31,15 @@ judges are non-dumpable, so no program process can read their memory or open the
 through ``/proc``; a program that kills or stops them loses its own remaining tests, nothing more.
 """
 
+import _socket  # not `socket`: its import alone would cost every sandbox several milliseconds
+import array
 import builtins
-import importlib
 import json
 import os
 import re
 import resource
 import select
 import signal
-import socket
-import struct
 import sys
 import time
 
@@ -59,11 +58,13 @@ _MAX_OUTCOME_BYTES = 1 << 16
 _MAX_FRAME_BYTES = 16 << 20
 #: Program globals sent to the judge as plain data only up to this size (larger ones become handles).
 _MAX_GLOBAL_BYTES = 1 << 16
-_FRAME_HEADER = struct.Struct(">I")
+_FRAME_HEADER_BYTES = 4
 # Built-in exceptions a program's error is re-raised as in the judge, so that a test catching one
 # works; control-flow exceptions never are (a StopIteration from the program must not end a test's
 # loop early, a SystemExit must not end the judge).
 _NOT_RERAISED = {"StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"}
+# Standard modules that act when imported: a program that imported them does not make the judge do so.
+_NOT_IMPORTED = {"antigravity", "this", "idlelib", "turtle", "turtledemo", "tkinter", "webbrowser"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def _decode(data, on_handle, on_module):
 
 def _send_frame(fd, message):
     data = json.dumps(message, separators=(",", ":")).encode()
-    data = _FRAME_HEADER.pack(len(data)) + data
+    data = len(data).to_bytes(_FRAME_HEADER_BYTES, "big") + data
     while data:
         data = data[os.write(fd, data):]
 
@@ -171,7 +172,7 @@ def _read_exactly(fd, size):
 
 
 def _read_frame(fd):
-    (size,) = _FRAME_HEADER.unpack(_read_exactly(fd, _FRAME_HEADER.size))
+    size = int.from_bytes(_read_exactly(fd, _FRAME_HEADER_BYTES), "big")
     if size > _MAX_FRAME_BYTES:
         raise ProtocolError("a message of %d bytes (the most is %d)" % (size, _MAX_FRAME_BYTES))
     try:
@@ -279,10 +280,13 @@ class _Channel:
     def _module(name):
         if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
             raise ProtocolError("malformed module name")
+        if name.split(".")[0] not in sys.stdlib_module_names or name in _NOT_IMPORTED:
+            return None
         try:
             # Imported here, from the sandbox's read-only library: the judge never uses the program's
             # copy of a module, which the program may have patched.
-            return importlib.import_module(name)
+            __import__(name)
+            return sys.modules[name]
         except ImportError:
             return None
 
@@ -593,7 +597,7 @@ def _program_server(control, code_fd):
             code = error
         _preload(setup["code"])
         while True:
-            message, fds, _, _ = socket.recv_fds(control, 1024, 2)
+            message, fds = _receive_descriptors(control, 2)
             if not message or len(fds) != 2:
                 break
             pid = os.fork()
@@ -613,6 +617,20 @@ def _program_server(control, code_fd):
         os._exit(0)
 
 
+def _send_descriptors(sock, message, fds):
+    sock.sendmsg([message], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", fds))])
+
+
+def _receive_descriptors(sock, count):
+    """One message and the descriptors that came with it (at most ``count``)."""
+    message, ancillary, _, _ = sock.recvmsg(1024, _socket.CMSG_LEN(count * array.array("i").itemsize))
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return message, list(fds)
+
+
 def _preload(source):
     for name in set(_IMPORTED.findall(source)) & _PRELOADABLE:
         try:
@@ -629,7 +647,7 @@ class _Server:
     """The driver's end of the program server."""
 
     def __init__(self, result_fd):
-        self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.control, server_end = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
         code_r, self.code_w = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
@@ -651,7 +669,7 @@ class _Server:
         self.control.settimeout(remaining)
         try:
             data = self.control.recv(1024)
-        except (OSError, socket.timeout):
+        except OSError:  # a timeout included
             raise ServerLost() from None
         if not data:
             raise ServerLost()
@@ -660,7 +678,7 @@ class _Server:
     def spawn(self, request_r, reply_w, deadline):
         """Start a program process on these pipe ends; its pid."""
         try:
-            socket.send_fds(self.control, [b"spawn"], [request_r, reply_w])
+            _send_descriptors(self.control, b"spawn", [request_r, reply_w])
         except OSError:
             raise ServerLost() from None
         message = self._receive(deadline)

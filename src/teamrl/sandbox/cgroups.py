@@ -130,22 +130,22 @@ class MemoryCgroup:
             return 0
         return next((int(line.split()[1]) for line in lines if line.startswith("oom_kill ")), 0)
 
-    def remove(self) -> None:
-        """Remove the (emptied) cgroup."""
-        remove_cgroup(self.path)
 
 
-def remove_cgroup(path: Path) -> None:
-    """Remove an emptied cgroup directory; the kernel may take a moment to see its last process go."""
-    for _ in range(100):
+def remove_cgroup(path: Path, patience_s: float = 0.0) -> bool:
+    """Remove an emptied cgroup directory, trying for up to ``patience_s`` (the kernel may take a moment
+    to see the last process of a sandbox go); whether it is gone."""
+    give_up = time.monotonic() + patience_s
+    while True:
         try:
             path.rmdir()
-            return
+            return True
         except FileNotFoundError:
-            return
+            return True
         except OSError:
+            if time.monotonic() >= give_up:
+                return False
             time.sleep(0.01)
-    _log.warning("could not remove the sandbox cgroup %s (processes still in it?)", path)
 
 
 class CgroupFactory:
@@ -155,21 +155,28 @@ class CgroupFactory:
         self.version, self.parent = hierarchy.version, parent
         self._counter = itertools.count()
         self._lock = threading.Lock()
+        self._pending: list[Path] = []  # released cgroups the kernel had not emptied yet
 
     def create(self, limit_bytes: int) -> MemoryCgroup:
         """A new cgroup capped at ``limit_bytes``."""
         with self._lock:
             name = f"sandbox-{next(self._counter)}"
+            self._pending = [path for path in self._pending if not remove_cgroup(path)]
         return MemoryCgroup(self.version, self.parent / name, limit_bytes)
 
+    def release(self, cgroup: MemoryCgroup) -> None:
+        """Remove a sandbox's cgroup once it has ended; one the kernel still holds is removed later,
+        so that no sandbox waits for it."""
+        if not remove_cgroup(cgroup.path):
+            with self._lock:
+                self._pending.append(cgroup.path)
+
     def remove(self) -> None:
-        """Remove teamrl's parent cgroup (at exit, once its sandboxes are gone)."""
+        """Remove teamrl's cgroups (at exit, once its sandboxes are gone)."""
         for child in self.parent.glob("sandbox-*"):
-            remove_cgroup(child)
-        try:
-            self.parent.rmdir()
-        except OSError:
-            pass
+            if not remove_cgroup(child, patience_s=1.0):
+                _log.warning("could not remove the sandbox cgroup %s (processes still in it?)", child)
+        remove_cgroup(self.parent)
 
 
 def _prepare(hierarchy: Hierarchy) -> Path | None:

@@ -211,6 +211,18 @@ def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_f
     return sandbox + harness + [str(uid), str(uid), "1"]
 
 
+def _create_cgroup(backend: _Backend, limits: SandboxLimits) -> MemoryCgroup | None:
+    """This program's memory cgroup; None without cgroups, or when the kernel refuses one (then the cap
+    is split over the processes for this program, as without cgroups)."""
+    if backend.cgroups is None:
+        return None
+    try:
+        return backend.cgroups.create(limits.total_memory_bytes)
+    except OSError as error:
+        _log.warning("could not create a memory cgroup for a sandbox (%s); splitting its memory cap instead", error)
+        return None
+
+
 def _driver_limits(limits: SandboxLimits, cgroup: MemoryCgroup | None) -> dict[str, float | int]:
     """The per-process limits the driver applies: with no cgroup to cap the total, the total split."""
     values = limits.to_dict()
@@ -241,7 +253,7 @@ def _end(proc: subprocess.Popen, grace_s: float) -> None:
 def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> ExecutionRecord:
     started = time.monotonic()
     tests = [rewrite_asserts(test) for test in program.tests]
-    cgroup = backend.cgroups.create(limits.total_memory_bytes) if backend.cgroups is not None else None
+    cgroup = _create_cgroup(backend, limits)
     payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests,
                           "limits": _driver_limits(limits, cgroup), "sys_path": []})
     scratch_dir = tempfile.TemporaryDirectory(prefix="teamrl-unsandboxed-") if backend.bwrap is None \
@@ -253,7 +265,7 @@ def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> Exec
         memory_kills = cgroup.oom_kills() if cgroup is not None else 0
     finally:
         if cgroup is not None:
-            cgroup.remove()
+            backend.cgroups.release(cgroup)
     ready, outcomes, done = _parse_results(bytes(collector.data["results"]), len(program.tests))
     stderr = bytes(collector.data["stderr"]).decode(errors="replace")
     if not ready:
