@@ -101,7 +101,7 @@ def test_an_existing_run_is_kept_unless_overwrite_is_given(tmp_path, tiny_config
     assert {name: (run_dir / name).read_bytes() for name in files} == before
 
     # Replaced on request: the earlier run's checkpoints are gone, so none outranks or outlives the new ones.
-    code, out, err = _cli(capsys, "train", str(config), "steps=1", "--overwrite")
+    code, out, err = _cli(capsys, "train", str(config), "--overwrite", "steps=1")  # overrides may follow flags
     assert code == 0, err
     assert _metric_steps(run_dir) == [1]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]

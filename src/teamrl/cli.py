@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("presets", help="list the configs shipped with teamrl")
 
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "eval" and all("=" in arg and not arg.startswith("-") for arg in extra):
+    if extra and hasattr(args, "overrides") and all("=" in arg and not arg.startswith("-") for arg in extra):
         args.overrides += extra  # overrides after an option: argparse leaves positionals there unparsed
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

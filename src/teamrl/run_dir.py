@@ -163,7 +163,9 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool = False, overwrite: bool 
     found = run_outputs(run_dir)
     if found and not (resume or overwrite):
         lock.release()
-        resumable = "continue it with --resume, " if complete_checkpoints(run_dir) else ""
+        # The resume command, not a bare --resume: `teamrl demo` has none, and the run's config.yaml has
+        # every setting of the run, whatever command started it.
+        resumable = f"continue it with {resume_command(run_dir)}, " if complete_checkpoints(run_dir) else ""
         raise RunDirError(f"run_dir: {str(run_dir)!r} already holds a run ({', '.join(found)}); {resumable}"
                           f"replace it with --overwrite, or choose another run_dir")
     return lock
