@@ -54,13 +54,13 @@ def train_and_evaluate(spec: dict) -> dict:
     config = load_config(spec["config"], overrides)
     evaluation = {"max_items": spec["eval_items"], "num_samples": spec["eval_samples"], "seed": spec["eval_seed"]}
     start = time.perf_counter()
-    trainer = Trainer(config)
-    before = trainer.evaluate(**evaluation)
-    history = trainer.train()
-    after = trainer.evaluate(**evaluation)
+    with Trainer(config) as trainer:  # holds the run directory until the run is over
+        before = trainer.evaluate(**evaluation)
+        history = trainer.train()
+        after = trainer.evaluate(**evaluation)
+        max_reward = trainer.env.max_reward
     return {"spec": spec, "learners": spec["learners"], "seed": spec["seed"], "steps": len(history),
-            "max_reward": trainer.env.max_reward, "before": before, "after": after,
-            "seconds": time.perf_counter() - start}
+            "max_reward": max_reward, "before": before, "after": after, "seconds": time.perf_counter() - start}
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
