@@ -286,7 +286,8 @@ def test_coophumaneval_from_a_local_jsonl():
     items = [*env.items("eval"), *env.items("train")]
     rewards = env.joint_rewards([(item, ("", item["reference"]), ()) for item in items])
     assert [r.total for r in rewards] == pytest.approx([2.1, 2.1, 2.1])
-    # individual: the helper wrote nothing (0), main solves it alone (0.6 + 0.5 + 1.0)
+    # individual: a helper whose aux returns and parses 0.9 (it is not called), or none 0; main solves
+    # each problem alone: 0.6 + 0.5 + 1.0
     aux = "def aux(text):\n    return text.split()\n"
     assert env.individual_rewards(items[0], (aux, items[0]["reference"])) == pytest.approx([0.9, 2.1])
     assert env.individual_rewards(items[1], ("", items[1]["reference"])) == pytest.approx([0.0, 2.1])
