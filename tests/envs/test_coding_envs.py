@@ -35,8 +35,8 @@ HOSTILE_AUX = {
     "infinite loop": "def aux(numbers, threshold):\n    while True:\n        pass\n",
     "os._exit": "import os\n\ndef aux(numbers, threshold):\n    os._exit(0)\n",
     "fork bomb": "import os\n\ndef aux(numbers, threshold):\n    while True:\n        os.fork()\n",
-    "kills its driver on load":
-        "import os\n\ndef aux(numbers, threshold, _=os.kill(os.getppid(), 9)):\n    return numbers\n",
+    "kills the sandbox on load":
+        "import os\n\ndef aux(numbers, threshold, _=os.kill(-1, 9)):\n    return numbers\n",
 }
 
 needs_bubblewrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -167,7 +167,7 @@ def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded
     records = {name: humaneval.grade(item, (aux, CALLING_MAIN)).record for name, aux in HOSTILE_AUX.items()}
     assert records["infinite loop"].timed_out
     assert records["os._exit"].tests[0].error_type == "NoResult"
-    assert records["kills its driver on load"].status == "aborted"
+    assert records["kills the sandbox on load"].status == "aborted"
     # The sandbox is still usable afterwards.
     assert humaneval.joint_reward(item, ("", MAIN_ALONE.replace("ordered", "xs"))).total == pytest.approx(2.1)
 

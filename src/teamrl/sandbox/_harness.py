@@ -791,6 +791,10 @@ def run_one(server, test, setup, limits, deadline, own_pid_namespace):
     reply_r, reply_w = os.pipe()
     try:
         program = server.spawn(request_r, reply_w, deadline)
+    except ServerLost:
+        os.close(request_w)
+        os.close(reply_r)
+        raise
     finally:
         os.close(request_r)
         os.close(reply_w)
