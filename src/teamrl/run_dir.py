@@ -127,9 +127,9 @@ def _holder(lock_path: Path) -> str:
     """Who holds the lock, from the record its holder wrote (empty while the holder is still writing it)."""
     try:
         record = json.loads(lock_path.read_text())
-    except (OSError, ValueError):
+        return f"pid {record['pid']} on {record['host']}, since {record['since']}: {record['command']}"
+    except (OSError, ValueError, KeyError, TypeError):  # no record yet, or not one this module wrote
         return "a process that has not said which yet"
-    return f"pid {record['pid']} on {record['host']}, since {record['since']}: {record['command']}"
 
 
 def run_outputs(run_dir: Path) -> list[str]:
