@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
+import py_compile
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +34,9 @@ from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, n
 
 _log = logging.getLogger("teamrl.sandbox")
 
-_HARNESS_SOURCE = Path(__file__).with_name("_harness.py").read_text()
+_HARNESS = Path(__file__).with_name("_harness.py")
+#: Where the sandbox sees the compiled driver (a read-only bind of the host's compiled copy).
+HARNESS_IN_SANDBOX = "/teamrl/harness.pyc"
 # The host's own deadline is the program budget plus this, so the driver's own accounting
 # (which marks unfinished tests precisely) normally wins.
 _GRACE_S = 2.0
@@ -199,16 +204,30 @@ def _not_run(index: int, status: str) -> TestOutcome:
                        timed_out=status == TIMED_OUT, limit="wall_time" if status == TIMED_OUT else None)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_harness() -> str:
+    """The driver compiled once per process into a private directory (a sandbox would otherwise compile its
+    ~40 kB of source at every start), removed at exit."""
+    directory = tempfile.mkdtemp(prefix="teamrl-harness-")
+    os.chmod(directory, 0o755)  # the sandbox's unprivileged user reads it
+    compiled = os.path.join(directory, "harness.pyc")
+    py_compile.compile(str(_HARNESS), cfile=compiled, dfile="teamrl-sandbox-harness", doraise=True)
+    os.chmod(compiled, 0o644)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return compiled
+
+
 def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_fd: int | None) -> list[str]:
     # -S: no site module, so no .pth start-up hooks of the host run in the sandbox (and start-up is
     # several times faster), and no third-party package is importable there.
-    harness = [sys.executable, "-I", "-S", "-c", _HARNESS_SOURCE, str(result_fd)]
+    compiled = _compiled_harness()
     if backend.bwrap is None:
-        return harness + ["-1", "-1", "0"]
+        return [sys.executable, "-I", "-S", compiled, str(result_fd), "-1", "-1", "0"]
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if backend.bwrap.privileged else -1
     sandbox = bwrap_command(backend.bwrap, limits.scratch_bytes, backend.roots, hidden=backend.hidden,
                             seccomp_fd=seccomp_fd)
-    return sandbox + harness + [str(uid), str(uid), "1"]
+    harness = ["--ro-bind", compiled, HARNESS_IN_SANDBOX, sys.executable, "-I", "-S", HARNESS_IN_SANDBOX]
+    return sandbox + harness + [str(result_fd), str(uid), str(uid), "1"]
 
 
 def _create_cgroup(backend: _Backend, limits: SandboxLimits) -> MemoryCgroup | None:
