@@ -325,8 +325,11 @@ class Trainer:
         for part in sorted({name for r in results for name in r.parts}):
             # A gated reward's unreached parts are absent: they count as zero in the mean.
             metrics[f"reward/{part}"] = sum(r.parts.get(part, 0.0) for r in results) / len(results)
+        for count in sorted({name for r in results for name in r.counts}):
+            metrics[f"count/{count}"] = sum(r.counts.get(count, 0.0) for r in results) / len(results)
         samples = [{"item": items[row // num_samples].get("id"), "observations": observations[row // num_samples],
-                    "actions": list(actions), "reward": result.total, "reward_parts": result.parts}
+                    "actions": list(actions), "reward": result.total, "reward_parts": result.parts,
+                    "reward_counts": result.counts}
                    for row, actions, result in zip(rows, joint_actions, results)]
         return metrics, samples
 
@@ -408,6 +411,7 @@ def _samples(tree: magrpo.Rollout, per_turn: int = 2) -> list[dict[str, Any]]:
                 "actions": list(turn.joint_action(0, m)),
                 "reward": turn.results[m].total,
                 "reward_parts": turn.results[m].parts,
+                "reward_counts": turn.results[m].counts,
             })
     return out
 

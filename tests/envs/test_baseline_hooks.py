@@ -83,7 +83,7 @@ def test_coding_split_gives_aux_to_the_helper_and_the_entry_point_to_main(humane
 def test_a_correct_single_agent_answer_earns_the_full_code_reward(humaneval):
     item = humaneval.items("eval")[0]
     reward = humaneval.joint_reward(item, humaneval.split_single_agent_output(item, SINGLE_SOLUTION))
-    assert reward.parts["tests_passed"] == reward.parts["tests_total"] > 0
+    assert reward.counts["tests_passed"] == reward.counts["tests_total"] > 0
     assert reward.total == humaneval.max_reward
 
 

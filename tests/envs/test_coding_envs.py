@@ -130,7 +130,7 @@ def test_joint_actions_score_what_the_code_reward_says(humaneval):
     team, alone, garbage = humaneval.joint_rewards(
         [(item, (SORTING_AUX, MAIN_WITH_AUX), ()), (item, ("", MAIN_ALONE), ()), (item, ("hello", "world"), ())])
     assert team.total == pytest.approx(4.0) == humaneval.max_reward
-    assert team.parts["tests_passed"] == team.parts["tests_total"] == 7.0
+    assert team.counts["tests_passed"] == team.counts["tests_total"] == 7.0
     # main alone: structure 0.6 + syntax 0.5 + tests 1.0, no helper and no cooperation
     assert alone.total == pytest.approx(2.1)
     assert alone.parts["aux_structure"] == 0.0 and alone.parts["tests"] == 1.0
@@ -163,7 +163,7 @@ def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded
     assert results[0].total == pytest.approx(4.0) and results[-1].total == pytest.approx(2.1)
     for name, result in zip(HOSTILE_AUX, results[1:-1]):
         assert result.parts["tests"] == 0.0, name
-        assert result.parts["tests_total"] == 7.0, name
+        assert result.counts["tests_total"] == 7.0, name
     records = {name: humaneval.grade(item, (aux, CALLING_MAIN)).record for name, aux in HOSTILE_AUX.items()}
     assert records["infinite loop"].timed_out
     assert records["os._exit"].tests[0].error_type == "NoResult"

@@ -70,7 +70,8 @@ def test_every_method_is_scored_by_the_environments_joint_reward(tiny_eval):
         rewards = [sample["reward"] for sample in result.samples]
         metrics = result.metrics
         assert metrics["normalised_return"] == pytest.approx(statistics.fmean(rewards) / env.max_reward)
-        assert metrics["level/hits"] == pytest.approx(statistics.fmean(s["parts"]["hits"] for s in result.samples))
+        assert metrics["count/hits"] == pytest.approx(statistics.fmean(s["counts"]["hits"] for s in result.samples))
+        assert "level/hits" not in metrics  # a count, not a share of the reward
         assert metrics["tokens"] > 0
         assert metrics["tokens_per_s"] == pytest.approx(metrics["tokens"] / metrics["seconds"])
         assert metrics["tokens_per_answer"] == pytest.approx(metrics["tokens"] / 6)
@@ -93,7 +94,7 @@ def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
     total = [len(first["tests"]), len(second["tests"])]
     passed = [[total[0], 0, total[0]], [1, 0, 0]]  # 3 samples per item
     episodes = [Episode(item, ["", ""], [AUX, MAIN]) for item in (first, second) for _ in range(3)]
-    rewards = [RewardResult(2.0, {"syntax": 0.5, "tests_passed": float(p), "tests_total": float(t)})
+    rewards = [RewardResult(2.0, {"syntax": 0.5}, {"tests_passed": float(p), "tests_total": float(t)})
                for p_item, t in zip(passed, total) for p in p_item]
     metrics = method_metrics(env, MethodOutput(episodes, tokens=60, seconds=3.0), rewards, 3, (1, 2), True)
     rates = [[p / t for p in p_item] for p_item, t in zip(passed, total)]
@@ -103,6 +104,7 @@ def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
     assert metrics["tests_passed"] == pytest.approx(statistics.fmean(rates[0] + rates[1]))
     assert metrics["normalised_return"] == pytest.approx(2.0 / env.max_reward)
     assert metrics["level/syntax"] == 0.5 and "level/tests_passed" not in metrics and "level/tests_total" not in metrics
+    assert metrics["count/tests_total"] == pytest.approx(statistics.fmean([total[0]] * 3 + [total[1]] * 3))
     assert [key.removeprefix("scheme/") for key in metrics if key.startswith("scheme/")] == list(SCHEMES)
     assert sum(metrics[f"scheme/{s}"] for s in SCHEMES) == pytest.approx(1.0)
     assert metrics["tokens_per_answer"] == 10 and metrics["seconds_per_answer"] == 0.5 and metrics["tokens_per_s"] == 20

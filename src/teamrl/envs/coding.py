@@ -27,8 +27,8 @@ with: a HumanEval prompt's imports and helper definitions such as ``poly`` in Hu
 Reward: :func:`teamrl.rewards.code.code_reward` (max 4.0) of the helper's and the main agent's code,
 joined after the item's preamble and run against the item's tests in a bubblewrap sandbox. The pool is
 created on the first grading and reused; :meth:`CodingEnv.joint_rewards` grades a batch concurrently.
-The result's ``parts`` are the reward's parts plus, when the tests ran, the counts ``tests_passed``
-and ``tests_total`` (which are not part of the total). The full grade (analysis and sandbox record) of
+The result's ``parts`` are the reward's parts; when the tests ran, its ``counts`` are ``tests_passed``
+and ``tests_total``. The full grade (analysis and sandbox record) of
 each joint action is kept in a bounded cache: :meth:`CodingEnv.grade` returns it. The
 independent-learner baseline's per-agent rewards
 (:func:`teamrl.rewards.code.individual_code_rewards`: the helper's own structure and syntax, the main
@@ -105,8 +105,8 @@ SINGLE_AGENT_ROLE = (
     "builds on its result. Reply with only the code of both functions in a single ```python block: no "
     "explanations, no examples, no tests."
 )
-#: RewardResult parts that count tests rather than score the joint action (see _with_test_counts).
-TEST_COUNT_PARTS = ("tests_passed", "tests_total")
+#: The RewardResult counts of a joint action whose tests ran (see _with_test_counts).
+TEST_COUNTS = ("tests_passed", "tests_total")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -553,8 +553,8 @@ class CodingEnv(Environment):
 def _with_test_counts(grade: CodeGrade) -> RewardResult:
     if grade.record is None:
         return grade.reward
-    counts = dict(zip(TEST_COUNT_PARTS, (float(grade.record.passed), float(grade.record.total))))
-    return RewardResult(grade.reward.total, {**grade.reward.parts, **counts})
+    counts = dict(zip(TEST_COUNTS, (float(grade.record.passed), float(grade.record.total))))
+    return RewardResult(grade.reward.total, grade.reward.parts, counts)
 
 
 @register_env("humaneval")

@@ -73,7 +73,7 @@ class DigitSumGame(Environment):
         pairs = [(a, b) for a, b in zip(first, second) if a is not None and b is not None]
         credit = sum(max(0.0, 1 - abs(a + b - item["target"]) / 10) for a, b in pairs)
         hits = sum(1 for a, b in pairs if a + b == item["target"])
-        return RewardResult(credit / self.length, {"hits": float(hits), "digit_pairs": float(len(pairs))})
+        return RewardResult(credit / self.length, counts={"hits": float(hits), "digit_pairs": float(len(pairs))})
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
         """Each agent alone: the fraction of its positions holding a digit that could reach the target.
@@ -89,7 +89,7 @@ class DigitSumGame(Environment):
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         last = history[-1]
-        hits = int(last.reward.parts["hits"])
+        hits = int(last.reward.counts["hits"])
         observations = []
         for seat, (own, partner) in enumerate(zip(last.actions, reversed(last.actions))):
             observations.append(

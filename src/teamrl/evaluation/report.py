@@ -65,9 +65,11 @@ def _prefixed_columns(results: EvalResults, prefix: str) -> list[Column]:
 
 
 def tables(results: EvalResults) -> list[tuple[str, list[Column]]]:
-    """(title, columns) of each table: the results, the reward per level and, for code, the schemes."""
+    """(title, columns) of each table: the results, the reward per level, what the environment counted and,
+    for code, the schemes. Tables without a column (a reward with no parts) are left out."""
     sections = [("Results", main_columns(results)),
-                (f"Mean reward per level (max total {results.max_reward:g})", _prefixed_columns(results, "level/"))]
+                (f"Mean reward per level (max total {results.max_reward:g})", _prefixed_columns(results, "level/")),
+                ("Mean counts per joint action (not part of the reward)", _prefixed_columns(results, "count/"))]
     if results.is_code:
         sections.append(("Cooperation schemes (fraction of joint actions)",
                          [Column(scheme, f"scheme/{scheme}", ".2f") for scheme in SCHEMES]))

@@ -25,7 +25,7 @@ import torch
 
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
-from teamrl.envs.coding import AUX, HELPER, MAIN, TEST_COUNT_PARTS, CodingEnv
+from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
 from teamrl.evaluation.baselines import BASELINES, Episode, MethodOutput
 from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, summarise_levels,
                                        tokens_per_second)
@@ -254,8 +254,8 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
                    ks: Sequence[int], is_code: bool) -> dict[str, float]:
     """A method's metrics (names as in ``results.json``).
 
-    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part; a
-    coding task's test counts are left out, they are ``tests_passed``), ``tokens``, ``seconds``,
+    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
+    ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
     ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
     and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
     the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's tests a
@@ -265,9 +265,8 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
     metrics = {"normalised_return": normalised_return(totals, env.max_reward),
                "reward_mean": statistics.fmean(totals),
                "reward_std": statistics.pstdev(totals)}
-    levels = summarise_levels([{name: value for name, value in reward.parts.items() if name not in TEST_COUNT_PARTS}
-                               for reward in rewards])
-    metrics.update({f"level/{name}": value for name, value in levels.items()})
+    metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})
+    metrics.update({f"count/{name}": value for name, value in summarise_levels([r.counts for r in rewards]).items()})
     if is_code:
         rates = [_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
         per_item = [rates[start:start + num_samples] for start in range(0, len(rates), num_samples)]
@@ -288,7 +287,7 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
 
 def _pass_rate(item: Item, reward: RewardResult) -> float:
     """The fraction of the item's tests a joint action passed (0 when its code never reached the tests)."""
-    return reward.parts.get("tests_passed", 0.0) / len(item["tests"])
+    return reward.counts.get("tests_passed", 0.0) / len(item["tests"])
 
 
 def _samples(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_samples: int,
@@ -298,7 +297,7 @@ def _samples(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_s
     for index, (episode, reward) in enumerate(zip(episodes, rewards)):
         record = {"item": episode.item.get("id"), "sample": index % num_samples,
                   "observations": episode.observations, "actions": episode.actions,
-                  "reward": reward.total, "parts": reward.parts, **episode.trace}
+                  "reward": reward.total, "parts": reward.parts, "counts": reward.counts, **episode.trace}
         if is_code:
             record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
                                                episode.item["entry_point"], AUX).scheme
