@@ -304,6 +304,10 @@ def test_bad_records_are_reported_with_their_file_and_position(tmp_path):
     path.write_text(json.dumps({**record, "test_list": "assert add(1, 2) == 3"}) + "\n")
     with pytest.raises(ValueError, match=r"coding_bad.jsonl: record 0 \(7\): test_list must be a non-empty list"):
         make_env("mbpp", source=str(path), eval_size=1)
+    fixed = {**record, "test_list": ["assert add(1, 2) == 3"], "test_setup_code": "import (\n"}
+    path.write_text(json.dumps(fixed) + "\n")
+    with pytest.raises(ValueError, match=r"coding_bad.jsonl: record 0 \(7\): unusable test_setup_code"):
+        make_env("mbpp", source=str(path), eval_size=1)
     good = json.loads((DATA / "coding_coophumaneval.jsonl").read_text().splitlines()[0])
     path.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "x", "test": "y"}) + "\n")
     with pytest.raises(ValueError, match="record 1 has no field 'entry_point'"):

@@ -242,6 +242,11 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
     if not called:
         raise data.DataError(f"{origin}: no function defined in its code is called by its test_list")
     entry_point = called[0]
+    setup = record.get("test_setup_code") or ""
+    try:
+        Program("", tests, setup=setup)
+    except (TypeError, ValueError) as err:
+        raise data.DataError(f"{origin}: unusable test_setup_code: {err}") from None
     shown_tests = "\n".join(test.strip() for test in tests)
     return {
         "problem": f"{record['text'].strip()}\nYour code should pass these tests:\n```python\n{shown_tests}\n```",
@@ -249,7 +254,7 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
         "parameters": call_parameters(_entry_definition(code, entry_point, origin)),
         "tests": tests,
         "test_labels": [test.strip() for test in tests],
-        "preamble": record.get("test_setup_code") or "",
+        "preamble": setup,
         "reference": record["code"],
     }
 
