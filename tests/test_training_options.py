@@ -235,7 +235,7 @@ def test_joint_reward_beats_individual_rewards(tiny_config):
         for _ in range(trainer.config.steps):
             trainer.train_step()
         # Fraction of digit pairs that sum exactly to the target: only complementing the partner does it.
-        exact[learners] = trainer.evaluate(num_samples=4)["reward/hits"] / trainer.env.length
+        exact[learners] = trainer.evaluate(num_samples=4)["count/hits"] / trainer.env.length
     assert exact["joint"] > 0.9, exact
     assert exact["individual"] < 0.5, exact
 

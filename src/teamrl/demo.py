@@ -46,10 +46,12 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
     print(f"Held-out joint reward (max {trainer.env.max_reward:g}): "
           f"before {before['reward/mean']:.3f} ± {before['reward/std']:.3f}  ->  "
           f"after {after['reward/mean']:.3f} ± {after['reward/std']:.3f}")
-    levels = [k.removeprefix("reward/") for k in after if k not in ("reward/mean", "reward/std")]
-    if levels:
-        print("  by level (mean):  " + "  ".join(
-            f"{level} {before.get('reward/' + level, 0):.2f}->{after['reward/' + level]:.2f}" for level in levels))
+    for label, prefix in (("by level (mean)", "reward/"), ("counts (mean, not reward)", "count/")):
+        names = [k.removeprefix(prefix) for k in after
+                 if k.startswith(prefix) and k not in ("reward/mean", "reward/std")]
+        if names:
+            print(f"  {label}:  " + "  ".join(
+                f"{name} {before.get(prefix + name, 0):.2f}->{after[prefix + name]:.2f}" for name in names))
     print()
     row = typical_row([s["reward"] for s in before_samples], [s["reward"] for s in after_samples])
     print(f"Example: held-out item {before_samples[row]['item']}, before -> after "
