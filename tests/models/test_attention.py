@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from teamrl.config import SamplingConfig
 from teamrl.models.attention import (GROUPED_SDPA, SharedPrefixCache, attending_through, shares_prefixes,
                                      use_grouped_attention)
+from teamrl.models.kv_cache import cache_arg, cache_of
 from teamrl.models.tiny import tiny_model, tiny_model_and_tokenizer
 from teamrl.rollout import generate as generate_module
 from teamrl.team import Agent
@@ -113,7 +114,8 @@ def _decode_behind_shared_prompts(model, prompt_ids, prompt_mask, rows_per_promp
     """Logits of ``new_tokens`` (rows, T) fed ``step`` at a time behind a SharedPrefixCache of the prompts."""
     with torch.no_grad():
         prompt_cache = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=_positions(prompt_mask),
-                             use_cache=True).past_key_values
+                             use_cache=True)
+        prompt_cache = cache_of(prompt_cache)
         cache = SharedPrefixCache(prompt_cache, prompt_mask, rows_per_prompt, max_new_positions=new_tokens.shape[1])
         mask = prompt_mask.repeat_interleave(rows_per_prompt, dim=0)
         logits = []
@@ -121,7 +123,7 @@ def _decode_behind_shared_prompts(model, prompt_ids, prompt_mask, rows_per_promp
             for start in range(0, new_tokens.shape[1], step):
                 chunk = new_tokens[:, start:start + step]
                 mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
-                logits.append(model(input_ids=chunk, attention_mask=mask, past_key_values=cache,
+                logits.append(model(input_ids=chunk, attention_mask=mask, **cache_arg(cache),
                                     position_ids=_positions(mask)[:, -chunk.shape[1]:]).logits)
         return torch.cat(logits, dim=1), cache
 
@@ -157,10 +159,10 @@ def test_shared_prefix_cache_refuses_more_positions_than_it_has_room_for():
     _, model = _gqa_pair()
     prompt_ids, prompt_mask = _left_padded([4, 4], width=4)
     with torch.no_grad():
-        cache = SharedPrefixCache(model(input_ids=prompt_ids, use_cache=True).past_key_values, prompt_mask, 2,
+        cache = SharedPrefixCache(cache_of(model(input_ids=prompt_ids, use_cache=True)), prompt_mask, 2,
                                   max_new_positions=2)
         with attending_through(cache), pytest.raises(ValueError, match="room for 2"):
-            model(input_ids=torch.randint(2, 50, (4, 3)), past_key_values=cache)
+            model(input_ids=torch.randint(2, 50, (4, 3)), **cache_arg(cache))
 
 
 def test_shared_prefix_cache_needs_full_attention_layers():

@@ -106,7 +106,7 @@ def _full_attention_only(cache: Cache) -> bool:
 @contextlib.contextmanager
 def attending_through(cache: SharedPrefixCache) -> Iterator[None]:
     """While open, this thread's passes of a model on :func:`grouped_sdpa_attention` attend through
-    ``cache`` (which they must also be given as ``past_key_values``)."""
+    ``cache`` (which they must also be given as their key/value cache argument)."""
     _active.cache = cache
     try:
         yield

@@ -30,6 +30,7 @@ from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorL
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from teamrl.models.attention import SharedPrefixCache, attending_through, shares_prefixes
+from teamrl.models.kv_cache import cache_arg, cache_of
 from teamrl.models.onednn import packed_weights
 from teamrl.team import Agent, Team
 
@@ -156,7 +157,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
                 **routing,
                 input_ids=prompt_ids.repeat_interleave(num_samples, dim=0),
                 attention_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
-                past_key_values=cache,
+                **cache_arg(cache),
                 do_sample=False,
                 max_new_tokens=sampling.max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
@@ -250,15 +251,15 @@ def _prompt_pass(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     past = 0 if stem is None else stem.length
     full_mask = torch.cat([mask.new_ones(mask.shape[0], past), mask], dim=1)
     with rows.route(row_names) as routing:
-        return model(
+        return cache_of(model(
             input_ids=ids,
             attention_mask=full_mask,
             position_ids=(full_mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:],
-            past_key_values=None if stem is None else stem.cache(ids.shape[0]),
+            **cache_arg(None if stem is None else stem.cache(ids.shape[0])),
             use_cache=True,
             logits_to_keep=1,
             **routing,
-        ).past_key_values
+        ))
 
 
 def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) -> Cache:
@@ -656,7 +657,7 @@ def _run_stem(model: torch.nn.Module, ids: torch.Tensor, **forward_kwargs) -> Pr
     the model's cache is not plain full attention."""
     out = model(input_ids=ids[None], position_ids=torch.arange(ids.shape[0], device=ids.device)[None],
                 use_cache=True, logits_to_keep=1, **forward_kwargs)
-    cache = out.past_key_values
+    cache = cache_of(out)
     if not all(type(layer) is DynamicLayer for layer in cache.layers):
         return None
     outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
@@ -704,7 +705,7 @@ def token_logprobs(
                 input_ids=torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1),
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=stem.cache(prompt_ids.shape[0]) if stem else None,
+                **cache_arg(stem.cache(prompt_ids.shape[0]) if stem else None),
                 logits_to_keep=num_completion,
             ).logits
             return _ChosenLogProbs.apply(logits, completion_ids, temperature)
@@ -713,20 +714,20 @@ def token_logprobs(
             input_ids=unique_prompts[:, :num_prompt],
             attention_mask=torch.cat([attention_mask[:num_unique, :past], unique_prompts[:, num_prompt:]], dim=1),
             position_ids=position_ids[:, :num_prompt][_first_rows(row_prompt, num_unique)],
-            past_key_values=stem.cache(num_unique) if stem else None,
+            **cache_arg(stem.cache(num_unique) if stem else None),
             use_cache=True,
             logits_to_keep=1,  # the prompt's last position predicts the first completion token
         )
         first = _ChosenLogProbs.apply(prefix.logits[row_prompt], completion_ids[:, :1], temperature)
         if num_completion == 1:
             return first
-        cache = prefix.past_key_values
+        cache = cache_of(prefix)
         cache.reorder_cache(row_prompt)
         rest = model(
             input_ids=completion_ids[:, :-1],
             attention_mask=attention_mask,
             position_ids=position_ids[:, num_prompt:],
-            past_key_values=cache,
+            **cache_arg(cache),
             logits_to_keep=num_completion - 1,
         ).logits
         return torch.cat([first, _ChosenLogProbs.apply(rest, completion_ids[:, 1:], temperature)], dim=1)
