@@ -51,6 +51,24 @@ def tiny_config(tmp_path):
     return make
 
 
+@pytest.fixture
+def lora_team(tiny_config):
+    """Factory: ``lora_team(scale=0.3, **team)`` -> a tiny two-agent LoRA team on one base whose adapters
+    differ (drawn from N(0, scale)), so that a row run through the wrong adapter shows."""
+    from teamrl.train import Trainer
+
+    def make(scale: float = 0.3, **team):
+        trainer = Trainer(tiny_config(steps=1, team={"training": "lora", **team}))
+        trainer.close()
+        with torch.no_grad():
+            for agent in trainer.team:
+                for p in agent.parameters:
+                    p.normal_(0, scale)
+        return trainer.team
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _two_threads():
     # The CI machine has 2 cores; more threads only add contention.

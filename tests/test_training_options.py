@@ -95,9 +95,9 @@ def test_the_fast_update_gives_the_gradients_of_the_plain_loss(tiny_config, monk
     shared prompt opening run once, the fused adapters, the chosen-token log-prob function) against paper
     Eq. 2's loss computed plainly: PEFT's forward over each whole prompt + completion and a log-softmax."""
     from teamrl.algorithms.losses import loss_normalizer, policy_loss
-    from teamrl.rollout import generate as generate_module
+    from teamrl.models import stem as stem_module
 
-    monkeypatch.setattr(generate_module, "MIN_STEM_TOKENS", 2)  # the tiny task's prompts share a short opening
+    monkeypatch.setattr(stem_module, "MIN_STEM_TOKENS", 2)  # the tiny task's prompts share a short opening
     stems = []
     stem_of = magrpo.prompt_stem
     monkeypatch.setattr(magrpo, "prompt_stem", lambda *args: stems.append(stem_of(*args)) or stems[-1])

@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from teamrl.config import ConfigError, RolloutConfig, config_from_dict, load_config
 from teamrl.models.tiny import tiny_tokenizer
-from teamrl.rollout.generate import encode_prompts, generate_team, token_logprobs
+from teamrl.algorithms.logprobs import token_logprobs
+from teamrl.rollout.generate import encode_prompts, generate_team
 from teamrl.rollout.vllm_backend import (
     VLLMSampler,
     export_model,

@@ -36,8 +36,10 @@ from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.generate import (Generation, PromptStem, active_adapter_fused, adapter_in_this_thread,
-                                     derive_seed, generate_team, plain_lora_layers, prompt_stem, token_logprobs)
+from teamrl.algorithms.logprobs import token_logprobs
+from teamrl.models.lora import active_adapter_fused, adapter_in_this_thread, plain_lora_layers
+from teamrl.models.stem import PromptStem, prompt_stem
+from teamrl.rollout.generate import Generation, derive_seed, generate_team
 from teamrl.team import Agent, Team
 
 
