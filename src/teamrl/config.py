@@ -1,8 +1,10 @@
 """Run configuration: dataclasses with documented defaults, loaded from YAML plus ``key=value`` overrides.
 
-Every field carries its documentation in ``metadata["help"]`` (``teamrl config`` prints them). Loading
-checks every key and type and each field's constraints up front, so a bad config fails with one line
-that names the field, never with a traceback half-way through a run.
+Every field carries its documentation in ``metadata["help"]`` (``teamrl config`` prints them): one line
+saying what the field is and what it takes, with a pointer to the docs where there is more to say (the
+reasons and measurements behind a default live there, not here). Loading checks every key and type and
+each field's constraints up front, so a bad config fails with one line that names the field, never with a
+traceback half-way through a run.
 """
 
 from __future__ import annotations
@@ -88,15 +90,11 @@ class TeamConfig:
     """Who is in the team and how their weights are held."""
 
     model: str = _doc(
-        "Base model for every agent: a local directory, a .gguf file, 'bundled' (the bundled SmolLM2-135M-"
-        "Instruct), a hub id, or 'tiny' (a random-initialised tiny model over the environment's vocabulary, "
-        "for tests and smoke runs).",
+        "Base model: 'tiny', 'bundled', a hub id, a directory or a .gguf (docs/training.md#team-fields).",
         "tiny",
     )
     training: Literal["lora", "full"] = _doc(
-        "'lora': each agent trains its own LoRA adapter; agents with the same base share one frozen copy of it. "
-        "'full': each agent fine-tunes its own full copy of its model.",
-        "lora",
+        "'lora' (an adapter per agent on a shared frozen base) or 'full' (a whole model per agent).", "lora"
     )
     lora: LoraSettings = _doc("Adapter settings when training='lora'.", factory=LoraSettings)
     agents: list[AgentConfig] = _doc(
@@ -104,26 +102,14 @@ class TeamConfig:
         factory=lambda: [AgentConfig(name="agent0"), AgentConfig(name="agent1")],
     )
     sampling: SamplingConfig = _doc("Sampling settings shared by all agents.", factory=SamplingConfig)
-    use_chat_template: bool = _doc(
-        "Wrap each observation in the tokenizer's chat template (when it has one) with the role as system message.",
-        True,
-    )
+    use_chat_template: bool = _doc("Wrap each observation in the tokenizer's chat template, role as system message.",
+                                   True)
     dtype: Literal["float32", "bfloat16", "float16"] = _doc(
-        "Dtype of the base model's weights. With training='lora' the adapters and their optimiser state stay "
-        "float32 whatever this is; with 'full' every weight is trained in this dtype (bfloat16 rounds away "
-        "updates below ~0.4% of a weight, so keep float32 there). bfloat16 pays off on CPUs with bf16 "
-        "units (AVX512-BF16, AMX: the main job's step 30% shorter, see docs/performance.md) and on GPUs; CPUs "
-        "without them run it much slower than float32.", "float32"
+        "Base weights' dtype: float32, bfloat16 or float16 (docs/performance.md#bfloat16-on-cpu).", "float32"
     )
     device: str = _doc("Torch device for every agent ('cpu', 'cuda', 'cuda:1', ...).", "cpu")
     onednn_linear: bool = _doc(
-        "On CPU, run float32 and bfloat16 linear layers (those with at least 2^18 weights) through oneDNN's "
-        "linear kernel: float32 instead of MKL (the same arithmetic, 1.3-2x faster GEMMs at LLM shapes), "
-        "bfloat16 without torch.matmul's per-sequence weight copies on sliced inputs (see "
-        "docs/performance.md). Passes with gradients (the update) use it only on CPUs with AVX-512; on "
-        "AVX2-only CPUs MKL measured faster there, and oneDNN serves generation. No effect on other "
-        "devices or dtypes, or where torch has no oneDNN.",
-        True,
+        "On CPU, run large linear layers on oneDNN's kernel (docs/performance.md#onednn-linear-layers).", True
     )
 
     def validate(self, path: str) -> None:
@@ -160,43 +146,27 @@ class AlgorithmConfig:
 
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
-        "'aligned': the g-th completions of all agents form joint action g (G joint actions). "
-        "'cross': every combination is a joint action (G^n).",
-        "aligned",
+        "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
     )
     num_turns: int = _doc("T: turns per episode. Turn t>1 observations carry the environment's feedback.", 1)
     discount: float = _doc("gamma in R_t = r_t + gamma * mean(R_{t+1} of the node's children).", 1.0)
     advantage: Literal["mean", "std", "rloo", "none"] = _doc(
-        "Group-relative advantage over G siblings: 'mean' R - mean(R) (paper Eq. 1); 'std' also divides by "
-        "the group std (GRPO); 'rloo' leave-one-out baseline; 'none' the raw return.",
-        "mean",
+        "Group-relative advantage: 'mean' (Eq. 1), 'std', 'rloo' or 'none' (docs/algorithm.md#options).", "mean"
     )
     logprob_aggregation: Literal["token_sum", "sequence_mean", "token_mean"] = _doc(
-        "How token log-probs make the loss: 'token_sum' log pi(a|o) summed over tokens (paper Eq. 2); "
-        "'sequence_mean' mean per sequence then over sequences; 'token_mean' mean over all tokens of the batch.",
+        "Aggregation: 'token_sum' (Eq. 2), 'sequence_mean' or 'token_mean' (docs/algorithm.md#options).",
         "token_sum",
     )
-    num_iterations: int = _doc(
-        "Optimisation passes over one rollout. >1 makes later passes off-policy, handled by the clipped ratio.", 1
-    )
+    num_iterations: int = _doc("Optimisation passes over one rollout; later ones are off-policy, ratio clipped.", 1)
     epsilon_low: float = _doc("Clip the probability ratio below at 1 - epsilon_low.", 0.2)
     epsilon_high: float = _doc("Clip the probability ratio above at 1 + epsilon_high.", 0.2)
-    kl_coef: float = _doc(
-        "Weight of the KL penalty to the reference policy (k3 estimator). With LoRA the reference is the base "
-        "with the adapter disabled; with full fine-tuning a frozen copy is kept. 0 = off, no reference pass.",
-        0.0,
-    )
+    kl_coef: float = _doc("Weight of the k3 KL penalty to the reference policy; 0 = off (docs/algorithm.md#options).",
+                          0.0)
     early_termination_threshold: float | None = _doc(
-        "Multi-turn: a joint action whose reward reaches this value before the last turn is not expanded further; "
-        "it is an absorbing state whose return counts its reward on every remaining turn "
-        "(R = r * sum_{k=0}^{T-t} gamma^k), so stopping is never worth less than continuing at that reward. "
-        "Empty = off.", None
+        "Multi-turn: a joint action reaching this reward stops early; empty = off (docs/algorithm.md).", None
     )
     learners: Literal["joint", "individual"] = _doc(
-        "'joint': every agent learns from the shared joint reward (MAGRPO). 'individual': each agent learns "
-        "from its own per-agent reward (the environment's `individual_rewards`), the independent-learner "
-        "baseline against which joint training is compared.",
-        "joint",
+        "Reward each agent learns from: 'joint' (MAGRPO) or 'individual' (docs/algorithm.md#options).", "joint"
     )
 
     def validate(self, path: str) -> None:
@@ -223,24 +193,10 @@ class OptimConfig:
     )
     warmup_steps: int = _doc("Linear warm-up from 0 to `lr` over this many optimiser steps.", 0)
     micro_batch_size: int = _doc(
-        "Sequences per forward/backward pass; gradients accumulate over the micro-batches of one update, so "
-        "this trades memory for speed without changing the result. A prompt's forward pass is shared by its "
-        "samples within a micro-batch, so keep it a multiple of G (the opening every prompt of the update shares runs "
-        "once for all micro-batches). The default, 4, is one group at G=4: on 2 "
-        "CPU cores it updated as fast as 8 with a 30% lower peak memory (docs/performance.md). 0 = each turn's "
-        "whole batch at once (turn 2 of 2 items x G=4, aligned: 32 sequences per agent, held together).",
-        4,
+        "Sequences per forward/backward pass; 0 = a whole turn (docs/performance.md#micro-batch-size).", 4
     )
     parallel_micro_batches: int = _doc(
-        "LoRA updates on CPU: micro-batches that run at the same time, each on its own thread with an equal share "
-        "of torch's threads. Most of an update's operations (element-wise passes, norms, attention, LoRA's "
-        "small matmuls) scale poorly across cores, so on 2 CPU cores two micro-batches on one core each took "
-        "~15% less time than one after the other on both (docs/performance.md), for a second micro-batch's "
-        "activations in memory (~0.4 GB for 4 rows of SmolLM2-135M). The gradients add up in micro-batch "
-        "order, so a run repeats exactly (a run with another setting differs in the last float bits). One at "
-        "a time on a GPU, with dropout, and with full fine-tuning (each thread's gradient would be another "
-        "copy of the model), whatever this says.",
-        2,
+        "Micro-batches a CPU LoRA update runs at once (docs/performance.md#parallel-micro-batches).", 2
     )
 
     def validate(self, path: str) -> None:
@@ -286,23 +242,15 @@ class RolloutConfig:
     """Which engine samples the rollouts. The update always runs in transformers (it recomputes log-probs)."""
 
     backend: Literal["transformers", "vllm"] = _doc(
-        "'transformers': batched generate() in the training process (CPU or GPU). 'vllm': vLLM engines on "
-        "the GPU (extra `[vllm]`, NVIDIA GPU only); LoRA adapters (or full weights) are synced to them "
-        "after every update.",
+        "Rollout engine: 'transformers' (this process) or 'vllm' (GPU; docs/performance.md#enabling-it).",
         "transformers",
     )
     gpu_memory_utilization: float = _doc(
-        "vLLM: fraction of the GPU's memory each engine may take for weights and KV cache; the rest is "
-        "left to training.",
-        0.5,
+        "vLLM: share of the GPU's memory each engine takes, in (0, 1]; the rest trains.", 0.5
     )
-    max_model_len: int = _doc(
-        "vLLM: longest prompt + completion, in tokens, the KV cache is sized for. 0 = the model's own limit.", 0
-    )
+    max_model_len: int = _doc("vLLM: prompt + completion tokens the KV cache holds; 0 = the model's own limit.", 0)
     sleep_between_rollouts: bool = _doc(
-        "vLLM: offload the engines' weights to CPU memory and free their KV cache while the agents update, "
-        "and restore them before the next rollout. Frees GPU memory for training at the cost of two copies.",
-        False,
+        "vLLM: free the engines' GPU memory while the agents update (docs/performance.md#enabling-it).", False
     )
 
     def validate(self, path: str) -> None:
@@ -329,31 +277,20 @@ class DistributedConfig:
     """Where the agents live: in this process, or each in its own Ray actor on a machine or a cluster."""
 
     backend: Literal["local", "ray"] = _doc(
-        "'local': every agent in this process. 'ray': each agent in a Ray actor of its own (its own model "
-        "copy, optimiser and schedule, on its own CPUs, GPUs or node) while this process drives the rollouts "
-        "and updates and computes rewards (extra `[ray]`; docs/distributed.md).",
-        "local",
+        "Where agents run: 'local' (this process) or 'ray' (a Ray actor each; docs/distributed.md).", "local"
     )
     address: str | None = _doc(
-        "Ray: the cluster to join, as ray.init takes it: 'auto' (the cluster this machine joined with "
-        "`ray start`), 'HOST:6379', 'ray://HOST:10001' (Ray Client). Empty = the Ray already running in this "
-        "process, else Ray's default: $RAY_ADDRESS, else a cluster `ray start` began here, else a new local one.",
+        "Ray: cluster to join, as ray.init takes it; empty = Ray's default (docs/distributed.md#config).",
         None,
     )
     cpus_per_agent: float = _doc(
-        "Ray: CPUs each agent actor reserves; fractions let agents share a CPU (on a small machine whole CPUs "
-        "can leave Ray none to schedule with). The actor's torch uses max(1, floor(cpus)) threads.",
-        0.5,
+        "Ray: CPUs each agent actor reserves; fractions share a CPU (docs/distributed.md#config).", 0.5
     )
     gpus_per_agent: float = _doc(
-        "Ray: GPUs each agent actor reserves (1 = a GPU of its own, 0.5 = two agents per GPU); > 0 needs "
-        "team.device='cuda'.",
-        0.0,
+        "Ray: GPUs each agent actor reserves (0.5 = two per GPU); > 0 needs team.device='cuda'.", 0.0
     )
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = _doc(
-        "Ray: how the agents' reservations go onto nodes (a placement group): 'pack' onto as few nodes as "
-        "possible, 'spread' over as many, 'strict_spread' each agent on a different node (or fail), "
-        "'strict_pack' all on one node (or fail).",
+        "Ray placement: 'pack', 'spread', 'strict_pack' or 'strict_spread' (docs/distributed.md#config).",
         "pack",
     )
 

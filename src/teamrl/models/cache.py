@@ -1,9 +1,10 @@
 """A small on-disk cache of built directories: location, integrity manifest, lock, atomic publish.
 
 A cached directory is trusted only if it carries a manifest, written last, that lists every file with its
-size and sha256 (hashing is ~1.5 GB/s, so checking a 540 MB model on each load costs a fraction of a
-second — cheap next to loading it). A directory is built in a temporary sibling and renamed into place,
-under an exclusive lock, so readers never see half of one and concurrent builders never mix their files.
+size and sha256 (checking it on each load is cheap next to loading the model; measured in
+docs/performance.md#the-bundled-model-and-the-model-cache). A directory is built in a temporary sibling
+and renamed into place, under an exclusive lock, so readers never see half of one and concurrent builders
+never mix their files.
 The lock uses ``fcntl.flock``: POSIX only, like the rest of teamrl's sandboxing.
 """
 

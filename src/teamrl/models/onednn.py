@@ -2,14 +2,10 @@
 
 torch runs a float32 ``nn.Linear`` on CPU as an MKL GEMM; oneDNN (which torch ships and uses for its
 bfloat16 matmuls and for ``torch.compile``'s frozen CPU linears, ``torch.ops.mkldnn._linear_pointwise``)
-is much faster at the shapes an LLM trains and samples with on a few cores. Measured on the 2-core AMD
-EPYC these docs are written on, SmolLM2-135M shapes, GFLOP/s MKL -> oneDNN:
-
-    decoding, 16 rows:   576 -> 1536: 60-90 -> 120;  output layer 576 -> 49152: 35-40 -> 82
-    update, 256 tokens:  576 -> 1536: 111-140 -> 171; 1536 -> 576: 117-122 -> 165
-
-That CPU has AVX-512. On an AVX2-only one, oneDNN still decodes faster from prepacked weights, but the
-update ran faster on MKL, so there passes with gradients stay on MKL (:func:`onednn_trains`).
+is much faster at the shapes an LLM trains and samples with on a few cores, on CPUs with AVX-512. On an
+AVX2-only one, oneDNN still decodes faster from prepacked weights, but the update ran faster on MKL, so
+there passes with gradients stay on MKL (:func:`onednn_trains`). The measurements behind both: see
+docs/performance.md#onednn-linear-layers.
 
 Both are float32 arithmetic (sums in another order, ~1e-6 relative). For small weights (a LoRA rank,
 the 576 -> 192 key/value projections) MKL's lower call overhead wins, so only layers with at least
@@ -17,10 +13,9 @@ the 576 -> 192 key/value projections) MKL's lower call overhead wins, so only la
 
 bfloat16 ``nn.Linear`` already runs on oneDNN, but through ``torch.matmul``, which turns an input that
 is not one contiguous block of rows (the last position of each sequence, or the completion positions
-that ``logits_to_keep`` slices) into a batched matmul against a copy of the weight per sequence: the
-output layer (576 -> 49152) on the last position of 4 prompts took 195 ms instead of 5 ms, and on 63
-positions of 4 sequences 239 ms instead of 41 ms. The linear kernel takes such inputs as they are, and
-the same packed weights speed up bfloat16 decoding as they do float32 decoding.
+that ``logits_to_keep`` slices) into a batched matmul against a copy of the weight per sequence, many
+times slower for the output layer (see docs/performance.md#onednn-linear-layers). The linear kernel takes
+such inputs as they are, and the same packed weights speed up bfloat16 decoding as they do float32 decoding.
 """
 
 from __future__ import annotations
@@ -32,7 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-#: Smallest weight (in_features * out_features) switched: 576 x 576 wins with oneDNN, 576 x 192 loses.
+#: Smallest weight (in_features * out_features) switched: 576 x 576 wins with oneDNN, 576 x 192 loses
+#: (docs/performance.md#onednn-linear-layers).
 DEFAULT_MIN_WEIGHTS = 2**18
 
 
@@ -52,7 +48,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class _OneDnnLinearFunction(torch.autograd.Function):
     """``F.linear`` with oneDNN in the forward pass and for the input gradient (the GEMMs that dominate
     an update on a frozen LoRA base); the weight gradient, needed only when fine-tuning the layer, stays
-    with MKL, which measured as fast as oneDNN for that shape."""
+    with MKL, which measured as fast as oneDNN for that shape (docs/performance.md#onednn-linear-layers)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,12 +82,10 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
 @functools.cache
 def onednn_trains() -> bool:
     """Whether passes with gradients (the update) run on oneDNN too, or as ``nn.Linear`` (MKL): oneDNN on
-    CPUs with AVX-512, where it measured faster (module docstring), MKL elsewhere. On a 2-core AVX2-only
-    AMD EPYC both agents' update of the side-by-side took 11.5-12.3 s with MKL against 14.8-17.2 s with
-    oneDNN (single turn; two turns 32-34 against 38-46 s, two micro-batches on one thread each), while
-    decoding still ran faster on oneDNN's packed weights (16 rows, 30 layers: 50-58 against 66-69 ms).
-    Part of oneDNN's cost there is building a kernel for each new number of rows (~5 ms the first time;
-    an update's micro-batches have as many row counts as completion lengths)."""
+    CPUs with AVX-512, where it measured faster; MKL elsewhere: on an AVX2-only CPU the update measured
+    faster on MKL, while decoding still ran faster on oneDNN's packed weights. Part of oneDNN's cost there
+    is building a kernel for each new number of rows, and an update's micro-batches have as many row
+    counts as completion lengths. Why: see docs/performance.md#onednn-linear-layers."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -136,9 +130,9 @@ def use_onednn_linears(model: nn.Module, min_weights: int = DEFAULT_MIN_WEIGHTS)
 @contextlib.contextmanager
 def packed_weights(model: nn.Module, rows: int) -> Iterator[None]:
     """While open, ``model``'s :class:`OneDnnLinear` layers run gradient-free passes on a copy of their
-    weight reordered into oneDNN's blocked layout for ``rows``-row inputs: a 16-row decoding step of
-    SmolLM2-135M took 90-95 instead of 112-128 ms (2 CPU cores), for 0.15 s of reordering and a second
-    copy of those weights until the block ends. The weights must not change inside the block (generation
+    weight reordered into oneDNN's blocked layout for ``rows``-row inputs: shorter decoding steps for a
+    one-off reordering and a second copy of those weights until the block ends (measured in
+    docs/performance.md#onednn-linear-layers). The weights must not change inside the block (generation
     does not change them)."""
     layers = [m for m in model.modules() if isinstance(m, OneDnnLinear) and m.weight.dtype in onednn_dtypes()
               and m.weight.device.type == "cpu"]

@@ -31,7 +31,7 @@ judges are non-dumpable, so no program process can read their memory or open the
 through ``/proc``; a program that kills or stops them loses its own remaining tests, nothing more.
 """
 
-import _socket  # not `socket`: its import alone would cost every sandbox several milliseconds
+import _socket  # not `socket`: its import slows every sandbox's start (docs/performance.md, "Grading code")
 import array
 import builtins
 import json
