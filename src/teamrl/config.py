@@ -198,6 +198,7 @@ class OptimConfig:
     parallel_micro_batches: int = _doc(
         "Micro-batches a CPU LoRA update runs at once (docs/performance.md#parallel-micro-batches).", 2
     )
+    fast_update: bool = _doc("Same update, faster (algorithms/fast_update.py); false: magrpo.py's plain loop.", True)
 
     def validate(self, path: str) -> None:
         _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)

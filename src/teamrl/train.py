@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from teamrl.algorithms import magrpo
+from teamrl.algorithms import fast_update, magrpo
 from teamrl.checkpoint import (AgentState, CheckpointUnreadable, agent_state, discard_checkpoints_after,
                                load_checkpoint, restore_agent_state, save_checkpoint)
 from teamrl.config import TrainConfig, config_to_dict
@@ -86,22 +86,30 @@ def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr
 def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]],
                  advantages: Sequence[list[torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
                  schedulers: Sequence[Any], config: TrainConfig, seeds: Sequence[int]) -> list[dict[str, float]]:
-    """The agents' updates of a step (paper Eq. 2, :func:`magrpo.update_agents`) with the run's settings; each
-    agent's stats and the learning rate it leaves. The same call runs here and, for its one agent, in a Ray
-    agent actor. Agents on one base pool their micro-batches (:func:`magrpo.update_pools`); any other
-    agent updates alone under its own ``seeds[k]``, which seeds whatever the update draws (dropout), so the
-    result depends on the step alone: not on the process it runs in, nor on what ran before it. (A pool
-    draws nothing: pools form only without dropout.)"""
+    """The agents' updates of a step (paper Eq. 2, :func:`magrpo.update_agent`, or the same computed by
+    :mod:`~teamrl.algorithms.fast_update` with ``optim.fast_update``) with the run's settings; each agent's
+    stats and the learning rate it leaves. The same call runs here and, for its one agent, in a Ray agent
+    actor. Each update runs under its agent's own ``seeds[k]``, which seeds whatever it draws (dropout), so
+    the result depends on the step alone: not on the process it runs in, nor on what ran before it. (Agents
+    that pool their micro-batches, :func:`fast_update.update_pools`, run under the first one's seed: a pool
+    draws nothing, pools form only without dropout.)"""
+    optim = config.optim
     stats: dict[int, dict[str, float]] = {}
-    for pool in magrpo.update_pools(agents, config.optim.parallel_micro_batches):
-        with seeded(seeds[pool[0]], agents[pool[0]].parameters[0].device):
-            results = magrpo.update_agents(
-                [agents[k] for k in pool], [generations[k] for k in pool], [advantages[k] for k in pool],
-                [optimizers[k] for k in pool], [schedulers[k] for k in pool], config.algorithm,
-                micro_batch_size=config.optim.micro_batch_size, max_grad_norm=config.optim.max_grad_norm,
-                parallel_micro_batches=config.optim.parallel_micro_batches)
-        stats.update({k: {**result, "lr": schedulers[k].get_last_lr()[0]} for k, result in zip(pool, results)})
-    return [stats[k] for k in range(len(agents))]
+    if optim.fast_update:
+        for pool in fast_update.update_pools(agents, optim.parallel_micro_batches):
+            with seeded(seeds[pool[0]], agents[pool[0]].parameters[0].device):
+                stats.update(zip(pool, fast_update.update_agents(
+                    [agents[k] for k in pool], [generations[k] for k in pool], [advantages[k] for k in pool],
+                    [optimizers[k] for k in pool], [schedulers[k] for k in pool], config.algorithm,
+                    micro_batch_size=optim.micro_batch_size, max_grad_norm=optim.max_grad_norm,
+                    parallel_micro_batches=optim.parallel_micro_batches)))
+    else:
+        for k, agent in enumerate(agents):
+            with seeded(seeds[k], agent.parameters[0].device):
+                stats[k] = magrpo.update_agent(agent, generations[k], advantages[k], optimizers[k], schedulers[k],
+                                               config.algorithm, micro_batch_size=optim.micro_batch_size,
+                                               max_grad_norm=optim.max_grad_norm)
+    return [{**stats[k], "lr": schedulers[k].get_last_lr()[0]} for k in range(len(agents))]
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -1,19 +1,36 @@
 """Log-probabilities of sampled completions under the policy being trained: the loss's forward pass.
 
-:func:`token_logprobs` is the fast one the update runs: each distinct prompt once for its G rows, behind
-an optional shared opening (:class:`~teamrl.models.stem.PromptStem`), and the chosen tokens' log-softmax
-without holding the (tokens x vocabulary) tensor.
+:func:`completion_logprobs` computes them as they read: one pass over prompt + completion, a
+log-softmax, the sampled tokens' entries. :func:`token_logprobs` computes the same faster, as the fast
+update runs it: each distinct prompt once for its G rows, behind an optional shared opening
+(:class:`~teamrl.models.stem.PromptStem`), and the chosen tokens' log-softmax without holding the
+(tokens x vocabulary) tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from teamrl.models.kv_cache import cache_arg, cache_of
 from teamrl.models.lora import active_adapter_fused
 from teamrl.models.stem import PromptStem
+
+if TYPE_CHECKING:
+    from teamrl.rollout.generate import Generation
+
+
+def completion_logprobs(model: torch.nn.Module, gen: Generation, temperature: float = 1.0) -> torch.Tensor:
+    """(B, C) log-prob of each completion token of ``gen`` under ``model`` (temperature-scaled), with
+    positions counted over real tokens only, as the model saw them while sampling with left padding.
+    Tokens after a completion's end hold whatever the model gives them: the loss masks them out."""
+    mask = torch.cat([gen.prompt_mask, gen.completion_mask], dim=1)
+    logits = model(input_ids=torch.cat([gen.prompt_ids, gen.completion_ids], dim=1), attention_mask=mask,
+                   position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)).logits
+    scored = logits[:, gen.prompt_ids.shape[1] - 1:-1].float() / temperature  # position p predicts token p + 1
+    return torch.log_softmax(scored, dim=-1).gather(-1, gen.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs(

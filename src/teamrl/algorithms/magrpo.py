@@ -15,30 +15,26 @@ One training step for a batch of items:
    joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
    gets the mean over the joint actions it is in).
-4. Update, paper Eq. 2 (:func:`update_agents`): each agent, with its own optimiser, maximises
+4. Update, paper Eq. 2 (:func:`update_agent`): each agent, with its own optimiser, maximises
    mean_g A_g * log pi_theta_i(a_i^g | o_i) over its completions of every turn, with optional PPO-style
-   clipping over several passes and a KL penalty to its reference.
+   clipping over several passes and a KL penalty to its reference. :mod:`teamrl.algorithms.fast_update`
+   computes the same update faster (shared prompt passes, threads, LoRA agents pooled on one base).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
+from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import loss_normalizer, policy_loss
 from teamrl.config import AlgorithmConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-from teamrl.algorithms.logprobs import token_logprobs
-from teamrl.models.lora import active_adapter_fused, adapter_in_this_thread, plain_lora_layers
-from teamrl.models.stem import PromptStem, prompt_stem
 from teamrl.rollout.generate import Generation, derive_seed, generate_team
 from teamrl.team import Agent, Team
 
@@ -162,260 +158,92 @@ def update_agent(
     *,
     micro_batch_size: int = 0,
     max_grad_norm: float | None = None,
-    parallel_micro_batches: int = 1,
 ) -> dict[str, float]:
-    """Paper Eq. 2 for one agent: ``num_iterations`` optimiser steps on its completions of every turn
-    (:func:`update_agents` with this agent alone)."""
-    return update_agents([agent], [generations], [advantages], [optimizer], [scheduler], config,
-                         micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
-                         parallel_micro_batches=parallel_micro_batches)[0]
-
-
-def update_agents(
-    agents: Sequence[Agent],
-    generations: Sequence[list[Generation]],
-    advantages: Sequence[list[torch.Tensor]],
-    optimizers: Sequence[torch.optim.Optimizer],
-    schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
-    config: AlgorithmConfig,
-    *,
-    micro_batch_size: int = 0,
-    max_grad_norm: float | None = None,
-    parallel_micro_batches: int = 1,
-) -> list[dict[str, float]]:
-    """Paper Eq. 2 for each agent: ``num_iterations`` steps of its own optimiser on its completions of every
-    turn (agent k: ``generations[k]``, ``advantages[k]``), with every agent's micro-batches in one pool.
-
-    ``parallel_micro_batches`` > 1 runs that many micro-batches at once on CPU threads (see
-    :func:`_parallel_micro_batches`); each agent's gradients add up in its micro-batch order whichever
-    thread ends first, so a run repeats exactly, and each agent gets the gradients and statistics of its
-    own update. Several agents pool when they are LoRA adapters on one base (:func:`update_pools`): each
-    thread runs its micro-batch's agent's adapter, and the threads stay busy across agents (with two turns
-    at G=4, each agent's 5 micro-batches left one running alone on one of two threads)."""
-    model = agents[0].model
-    if len(agents) > 1 and not _poolable(agents):
-        raise ValueError("update_agents: several agents pool only as plain LoRA adapters of one shared model; "
-                         "update the others one at a time (update_pools says which pool)")
-    batches, todo, ref_logprobs, normalizers = [], [], {}, []
-    for k, (agent, agent_generations, turn_advantages) in enumerate(zip(agents, generations, advantages)):
-        agent.activate()
-        agent_batches = [
-            (gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
-            for gen, adv in zip(agent_generations, turn_advantages)
-            for start, stop in _micro_batches(adv.shape[0], micro_batch_size)
-        ]
-        # A zero advantage contributes exactly zero gradient: without a KL term, skip its forward pass.
-        todo += [(k, b) for b, (_, adv) in enumerate(agent_batches) if config.kl_coef > 0 or adv.any()]
-        batches.append(agent_batches)
-        normalizers.append(loss_normalizer([gen.completion_mask for gen in agent_generations],
-                                           config.logprob_aggregation))
-        if config.kl_coef > 0:  # before the threads start: the reference switches the whole (shared) model
-            with torch.no_grad(), agent.reference() as reference:
-                for job in todo:
-                    if job[0] == k:
-                        ref_logprobs[job] = token_logprobs(reference, *_inputs(agent_batches[job[1]][0]),
-                                                           temperature=agent.sampling.temperature)
-    agents[0].activate()
-    if len(agents) > 1:  # the model's active adapter is the first agent's; every agent's trains
-        for agent in agents:
-            for param in agent.parameters:
-                param.requires_grad_(True)
-    params = [[p for p in agent.parameters if p.requires_grad] for agent in agents]
-    largest = max(params, key=lambda ps: sum(p.numel() for p in ps))  # what one thread's gradient holds
-    threads = _parallel_micro_batches(model, largest, parallel_micro_batches, len(todo))
-    old_logprobs: dict[tuple[int, int], torch.Tensor] = {}
-    stems: list[PromptStem | None] = [None] * len(agents)
-
-    def gradient_targets(k: int) -> list[torch.Tensor]:
-        """Agent k's trained weights, then its shared prompt opening's keys and values (when it has one)."""
-        return params[k] + (stems[k].leaves() if stems[k] else [])
-
-    def micro_batch_loss(job: tuple[int, int]) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
-        """Micro-batch ``job`` = (agent, index)'s loss and stats; its gradient added to ``.grad`` (one thread)
-        or returned."""
-        k, b = job
-        agent, (gen, adv_rows) = agents[k], batches[k][b]
-        inputs = _inputs(gen)
-        with _running(agent):
-            logprobs = token_logprobs(model, *inputs, temperature=agent.sampling.temperature, stem=stems[k])
-        # No update has happened yet in the first pass, so the current policy is the sampling one.
-        old = old_logprobs.setdefault(job, logprobs.detach())
-        loss, stats = policy_loss(
-            logprobs, old, adv_rows, inputs[3],
-            aggregation=config.logprob_aggregation, normalizer=normalizers[k],
-            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-            ref_logprobs=ref_logprobs.get(job), kl_coef=config.kl_coef,
-        )
-        if threads == 1:
+    """Paper Eq. 2 for one agent: ``num_iterations`` steps of its own optimiser on its completions of every
+    turn (``generations[t]``, with their advantages ``advantages[t]``), ``micro_batch_size`` rows per
+    forward pass. :mod:`teamrl.algorithms.fast_update` computes the same, faster (``optim.fast_update``)."""
+    batches = [(gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
+               for gen, adv in zip(generations, advantages) for start, stop in micro_batches(len(adv), micro_batch_size)]
+    # A zero advantage gives exactly zero gradient: without a KL term, its forward pass is skipped.
+    batches = [(gen, adv) for gen, adv in batches if config.kl_coef > 0 or adv.any()]
+    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
+    temperature = agent.sampling.temperature
+    reference: list[torch.Tensor | None] = [None] * len(batches)
+    if config.kl_coef > 0:
+        with torch.no_grad(), agent.reference() as frozen:
+            reference = [completion_logprobs(frozen, gen, temperature) for gen, _ in batches]
+    old: list[torch.Tensor | None] = [None] * len(batches)
+    stats = UpdateStats(config.num_iterations)
+    agent.activate()
+    agent.model.train()
+    for _ in range(config.num_iterations):  # PPO-style passes over one rollout; 1: plain policy gradient
+        optimizer.zero_grad(set_to_none=True)
+        for b, (gen, adv) in enumerate(batches):
+            logprobs = completion_logprobs(agent.model, gen, temperature)  # log pi_theta_i(a_i^g | o_i)
+            if old[b] is None:
+                old[b] = logprobs.detach()  # before the first step, the policy is the one that sampled
+            loss, batch_stats = policy_loss(  # -mean_g A_g * ratio, clipped (Eq. 2), + KL to the reference
+                logprobs, old[b], adv, gen.completion_mask, aggregation=config.logprob_aggregation,
+                normalizer=normalizer, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                ref_logprobs=reference[b], kl_coef=config.kl_coef)
             loss.backward()
-            return float(loss.detach()), stats, None
-        return float(loss.detach()), stats, torch.autograd.grad(loss, gradient_targets(k), allow_unused=True)
-
-    totals = [{"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0} for _ in agents]
-    model.train()
-    # Fused once for every thread: entering and leaving it per call would unfuse the layers under the others.
-    with active_adapter_fused(model) as fused:
-        if len(agents) > 1 and not fused:  # unfused layers would run the active adapter for every agent
-            raise RuntimeError("update_agents: the shared model's LoRA layers could not take an adapter per thread")
-        for iteration in range(config.num_iterations):
-            sums = [{"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0} for _ in agents]
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            # Every agent's shared prompt opening, run once (with the weights of this pass) for its micro-batches.
-            for k, agent in enumerate(agents):
-                with _running(agent):
-                    stems[k] = prompt_stem(model, [batches[k][b][0] for owner, b in todo if owner == k])
-            for (k, _), (loss_value, stats, gradient) in zip(todo, _in_threads(micro_batch_loss, todo, threads)):
-                for param, grad in zip(gradient_targets(k), gradient or ()):
-                    if grad is None:
-                        continue
-                    if param.grad is None:  # in the parameter's layout, as backward() would leave it
-                        param.grad = grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
-                    else:
-                        param.grad.add_(grad)
-                sums[k]["loss"] += loss_value
-                sums[k]["clipped"] += stats["clip_fraction"] * stats["tokens"]
-                sums[k]["kl"] += stats.get("kl", 0.0) * stats["tokens"]
-                sums[k]["tokens"] += stats["tokens"]
-            for agent, stem, optimizer, scheduler, total, sum_ in zip(agents, stems, optimizers, schedulers, totals, sums):
-                if stem is not None:
-                    stem.backward([leaf.grad for leaf in stem.leaves()])
-                has_grad = any(p.grad is not None for p in agent.parameters)
-                norm = (float(torch.nn.utils.clip_grad_norm_(agent.parameters, max_grad_norm or float("inf")))
-                        if has_grad else 0.0)
-                optimizer.step()
-                scheduler.step()
-                tokens = max(sum_["tokens"], 1)
-                total["loss"] += sum_["loss"] / config.num_iterations
-                total["grad_norm"] += norm / config.num_iterations
-                total["clip_fraction"] += sum_["clipped"] / tokens / config.num_iterations
-                total["kl"] += sum_["kl"] / tokens / config.num_iterations
-                total["tokens"] = sum_["tokens"]
-    model.eval()
-    agents[-1].activate()  # as after updating the agents one by one: the last one active, only its adapter trainable
-    return totals
+            stats.add(float(loss.detach()), batch_stats)
+        stats.end_step(clip_gradients(agent.parameters, max_grad_norm))
+        optimizer.step()
+        scheduler.step()
+    agent.model.eval()
+    return stats.result()
 
 
-def _running(agent: Agent) -> contextlib.AbstractContextManager:
-    """This thread's passes through the shared model run ``agent``'s adapter (a no-op for an agent with a
-    model of its own)."""
-    return adapter_in_this_thread(agent.adapter) if agent.adapter else contextlib.nullcontext()
-
-
-def update_pools(agents: Sequence[Agent], parallel_micro_batches: int) -> list[list[int]]:
-    """Which agents' updates run as one pool (:func:`update_agents`), as lists of indices: the agents on one
-    shared model with plain LoRA adapters, where micro-batches run in parallel (CPU threads, no dropout);
-    every other agent alone. Without threads a pool gains nothing, and an agent alone keeps the random
-    stream its own seed gives it."""
-    pools: dict[int, list[int]] = {}
-    for k, agent in enumerate(agents):
-        pools.setdefault(id(agent.model), []).append(k)
-    result = []
-    for pool in pools.values():
-        members = [agents[k] for k in pool]
-        if len(pool) > 1 and _poolable(members) and _parallel_micro_batches(
-                members[0].model, members[0].parameters, parallel_micro_batches, num_batches=len(pool)) > 1:
-            result.append(pool)
-        else:
-            result.extend([k] for k in pool)
-    return sorted(result)
-
-
-def _poolable(agents: Sequence[Agent]) -> bool:
-    """Whether ``agents`` are plain LoRA adapters of one model, which can run side by side, an adapter per thread."""
-    model = agents[0].model
-    return (all(agent.model is model and agent.adapter is not None for agent in agents)
-            and plain_lora_layers(model, [agent.adapter for agent in agents]) is not None)
-
-
-def _inputs(gen: Generation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
-
-
-def _parallel_micro_batches(model: torch.nn.Module, params: Sequence[torch.nn.Parameter], requested: int,
-                            num_batches: int) -> int:
-    """How many micro-batches run at once: ``requested``, at most one per micro-batch; 1 on a GPU (its
-    kernels already queue on one stream), where the forward pass draws random numbers (dropout: threads
-    would take them from torch's one generator in whatever order they run, and a seed would no longer fix
-    the masks), and where more than a tenth of the model trains (full fine-tuning: each thread's
-    gradient would be another copy of the model).
-
-    Why threads on CPU: with its threads split between two micro-batches, each of torch's operations
-    runs on fewer cores, and most of an update's operations (element-wise passes, norms, attention, the
-    small LoRA matmuls) scale poorly across cores: an update of SmolLM2-135M's LoRA agents on 2 CPU
-    cores took ~15% less time (docs/performance.md). The cost is a second micro-batch's activations.
-    """
-    if requested <= 1 or num_batches <= 1:
-        return 1
-    if next(model.parameters()).device.type != "cpu" or _uses_dropout(model):
-        return 1
-    if sum(p.numel() for p in params) * 10 > sum(p.numel() for p in model.parameters()):
-        return 1
-    return min(requested, num_batches)
-
-
-def _uses_dropout(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s training forward pass draws dropout masks: a dropout module, or a dropout
-    probability in its transformers config (attention dropout is applied functionally)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    config = getattr(model, "config", None)
-    settings = config.to_dict() if hasattr(config, "to_dict") else {}
-    return any(("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0
-               for key, value in settings.items())
-
-
-def _in_threads(fn: Callable, items: Sequence, threads: int) -> Iterator:
-    """``map(fn, items)`` on ``threads`` threads (this one and ``threads - 1`` helpers) that split torch's CPU
-    threads between them; results come in the order of ``items``.
-
-    This thread takes part, rather than waiting on a pool: each thread that allocates gets its own
-    malloc arena, whose freed blocks stay in the process, and a third arena added ~0.5 GB to the peak
-    memory of an update on 2 CPU cores (SmolLM2-135M LoRA agents, 4-row micro-batches)."""
-    if threads <= 1:
-        yield from map(fn, items)
-        return
-    total = torch.get_num_threads()
-    queue, lock = iter(range(len(items))), threading.Lock()
-    results: list[tuple[bool, Any]] = [(False, None)] * len(items)
-    finished = [threading.Event() for _ in items]
-
-    def work() -> None:
-        torch.set_num_threads(max(1, total // threads))  # torch's thread count is per OS thread
-        while True:
-            with lock:
-                index = next(queue, None)
-            if index is None:
-                return
-            try:
-                results[index] = (True, fn(items[index]))
-            except BaseException as error:  # re-raised in this thread, at its place in the order
-                results[index] = (False, error)
-            finished[index].set()
-
-    helpers = [threading.Thread(target=work, name=f"teamrl-update-{k}", daemon=True) for k in range(1, threads)]
-    try:
-        for helper in helpers:
-            helper.start()
-        work()
-        for index in range(len(items)):
-            finished[index].wait()
-            ok, value = results[index]
-            if not ok:
-                raise value
-            results[index] = (True, None)  # let the gradients go once summed
-            yield value
-    finally:
-        for helper in helpers:
-            helper.join()
-        torch.set_num_threads(total)  # the threads' calls also changed the count new threads start with
-
-
-def _micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
+def micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
     """(start, stop) of consecutive row ranges; each runs as its own forward pass without the padding
     columns none of its rows needs (``Generation.rows(...).trimmed()``)."""
     step = micro_batch_size or size
     return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def clip_gradients(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None) -> float:
+    """Scale the gradients to a total norm of at most ``max_grad_norm`` (None: leave them); their norm
+    before, 0 where no parameter has one (every micro-batch skipped)."""
+    if not any(p.grad is not None for p in parameters):
+        return 0.0
+    return float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or float("inf")))
+
+
+class UpdateStats:
+    """An agent's update statistics: per optimiser step, the micro-batches' summed loss, their clip
+    fraction and KL weighted by trained tokens, and the gradient norm; each averaged over the steps."""
+
+    def __init__(self, num_iterations: int):
+        self.num_iterations = num_iterations
+        self.totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
+        self._step = self._new_step()
+
+    @staticmethod
+    def _new_step() -> dict[str, float]:
+        return {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
+
+    def add(self, loss: float, stats: dict[str, float]) -> None:
+        """A micro-batch's loss and :func:`~teamrl.algorithms.losses.policy_loss` statistics."""
+        self._step["loss"] += loss
+        self._step["clipped"] += stats["clip_fraction"] * stats["tokens"]
+        self._step["kl"] += stats.get("kl", 0.0) * stats["tokens"]
+        self._step["tokens"] += stats["tokens"]
+
+    def end_step(self, grad_norm: float) -> None:
+        """The optimiser step over the micro-batches added since the last one."""
+        step, iterations = self._step, self.num_iterations
+        tokens = max(step["tokens"], 1)
+        self.totals["loss"] += step["loss"] / iterations
+        self.totals["grad_norm"] += grad_norm / iterations
+        self.totals["clip_fraction"] += step["clipped"] / tokens / iterations
+        self.totals["kl"] += step["kl"] / tokens / iterations
+        self.totals["tokens"] = step["tokens"]
+        self._step = self._new_step()
+
+    def result(self) -> dict[str, float]:
+        """``loss``, ``clip_fraction``, ``kl``, ``grad_norm`` and ``tokens`` (trained in the last step)."""
+        return dict(self.totals)
 
 
 def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
