@@ -35,19 +35,29 @@ def run_team(team: Team, observations: list[list[str]], num_samples: int = 1, *,
     """Each agent i generates from ``observations[row][i]`` for every row; returns all agents' texts.
 
     Raises:
-        ValueError: a prompt does not leave room for ``max_new_tokens`` in its model's context (a longer
-            prompt would run for minutes and gigabytes before the model fails or rambles). The message
-            names the input (``labels[row]``, default ``input ROW``), the agent and how far to shorten it.
+        ValueError: a prompt does not fit its model's context (:func:`check_context`).
     """
+    check_context(team, observations, labels)
     prompts = [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)]
-    for i, agent in enumerate(team):
-        _check_context(agent, prompts[i], [obs[i] for obs in observations],
-                       labels or [f"input {row}" for row in range(len(observations))])
     start = time.perf_counter()
     generations = generate_team(team, prompts, num_samples, concurrent=True)
     seconds = time.perf_counter() - start
     return TeamOutput(texts=[g.texts for g in generations], tokens=sum(g.num_tokens for g in generations),
                       seconds=seconds)
+
+
+def check_context(team: Team, observations: list[list[str]], labels: list[str] | None = None) -> None:
+    """Check, before anything generates, that agent i's prompt of ``observations[row][i]`` leaves room for
+    its ``max_new_tokens`` in its model's context, for every row.
+
+    Raises:
+        ValueError: a prompt does not leave room (a longer prompt would run for minutes and gigabytes before
+            the model fails or rambles). The message names the input (``labels[row]``, default ``input ROW``),
+            the agent and how far to shorten it.
+    """
+    for i, agent in enumerate(team):
+        _check_context(agent, [agent.prompt(obs[i]) for obs in observations], [obs[i] for obs in observations],
+                       labels or [f"input {row}" for row in range(len(observations))])
 
 
 def _check_context(agent: Agent, prompts: list[str], observations: list[str], labels: list[str]) -> None:

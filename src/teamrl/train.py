@@ -29,6 +29,8 @@ from teamrl.checkpoint import (AgentState, CheckpointUnreadable, agent_state, di
                                load_checkpoint, restore_agent_state, save_checkpoint)
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
+from teamrl.evaluation import heldout
+from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
 from teamrl.rollout.generate import Generation, derive_seed, seeded
 from teamrl.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TEAM_DIR, TENSORBOARD_DIR,
                             RunDirError, claim_run_dir, clear_run_outputs, complete_checkpoints, resume_command)
@@ -38,9 +40,6 @@ if TYPE_CHECKING:
     from teamrl.distributed import RayTeam
 
 log = logging.getLogger(__name__)
-#: Held-out items per generate call in :meth:`Trainer.evaluate`: on 2 CPU cores, 8 items x 2 samples cost
-#: 17.7 s and 32 x 2 cost 96.8 s in one call (longer padded rows, bigger caches): 4 x 17.7 s in calls of 8.
-EVAL_ITEMS_PER_BATCH = 8
 
 
 def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -310,36 +309,18 @@ class Trainer:
     def evaluate_with_samples(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                               seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH,
                               ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """:meth:`evaluate`, plus every joint action with what each agent saw and its reward."""
-        if items_per_batch < 1:
-            raise ValueError(f"items_per_batch: must be >= 1 (got {items_per_batch})")
+        """:meth:`evaluate`, plus every joint action with what each agent saw and its reward.
+
+        Held-out evaluation's one path (:mod:`teamrl.evaluation.heldout`), which ``teamrl eval``'s ``team:PATH``
+        takes too: the saved team scores the same numbers there, under ``teamrl eval``'s names (here under
+        training's, :func:`~teamrl.evaluation.heldout.training_view`).
+        """
         items = list(self.env.items(split))[:max_items]
         if not items:
             raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
-        observations = [self.env.observe(item) for item in items]
-        seed = self.config.seed if seed is None else seed
-        joint_actions: list[tuple[str, ...]] = []
-        for batch, start in enumerate(range(0, len(items), items_per_batch)):
-            chunk = observations[start:start + items_per_batch]
-            generations = self.sample([[obs[i] for obs in chunk] for i in range(self.env.num_agents)],
-                                      num_samples, derive_seed(seed, batch))
-            joint_actions += [tuple(gen.texts[row] for gen in generations) for row in range(len(chunk) * num_samples)]
-        rows = range(len(items) * num_samples)
-        results = self.env.joint_rewards([(items[row // num_samples], actions, ())
-                                          for row, actions in zip(rows, joint_actions)])
-        rewards = torch.tensor([r.total for r in results])
-        metrics = {"reward/mean": float(rewards.mean()),
-                   "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
-        for part in sorted({name for r in results for name in r.parts}):
-            # A gated reward's unreached parts are absent: they count as zero in the mean.
-            metrics[f"reward/{part}"] = sum(r.parts.get(part, 0.0) for r in results) / len(results)
-        for count in sorted({name for r in results for name in r.counts}):
-            metrics[f"count/{count}"] = sum(r.counts.get(count, 0.0) for r in results) / len(results)
-        samples = [{"item": items[row // num_samples].get("id"), "observations": observations[row // num_samples],
-                    "actions": list(actions), "reward": result.total, "reward_parts": result.parts,
-                    "reward_counts": result.counts}
-                   for row, actions, result in zip(rows, joint_actions, results)]
-        return metrics, samples
+        output = heldout.sample_held_out(self.sample, self.env, items, num_samples,
+                                         self.config.seed if seed is None else seed, items_per_batch)
+        return heldout.training_view(*heldout.score(self.env, output, num_samples))
 
     # ----------------------------------------------------------------------------------------------
     def _update(self, generations: list[list[Generation]], advantages: list[list[torch.Tensor]],

@@ -18,7 +18,7 @@ class TinyEval:
     run_dir: Path
     """A two-step training run: metrics.jsonl, and the trained team in ``team/``."""
     untrained_dir: Path
-    """The same team saved before training: it must sample exactly like the ``concat`` baseline."""
+    """The same team saved before training."""
     results: EvalResults
 
 

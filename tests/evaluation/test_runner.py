@@ -8,20 +8,13 @@ from pathlib import Path
 import pytest
 
 from teamrl.envs import make_env
-from teamrl.evaluation.baselines import Episode, MethodOutput
-from teamrl.evaluation.metrics import accuracy_at_k, pass_at_k
-from teamrl.evaluation.runner import EvalSettings, Method, method_metrics, parse_ks, parse_methods
-from teamrl.evaluation.schemes import SCHEMES
-from teamrl.rewards.base import RewardResult
-
-AUX = "def aux(numbers, threshold):\n    return sorted(numbers)\n"
-MAIN = "def has_close_elements(numbers, threshold):\n    xs = aux(numbers, threshold)\n    return len(xs) > 1\n"
+from teamrl.evaluation.runner import EvalSettings, Method, parse_ks, parse_methods
 
 
 def test_method_specs_parse_into_baselines_models_and_saved_teams(tiny_eval):
     untrained = tiny_eval.untrained_dir
     methods = parse_methods(f"single, single:bundled:smollm2,concat,sequential,discussion,team:{untrained}")
-    assert [m.baseline for m in methods] == ["single", "single", "concat", "sequential", "discussion", "concat"]
+    assert [m.baseline for m in methods] == ["single", "single", "concat", "sequential", "discussion", None]
     assert methods[1].model == "bundled:smollm2" and methods[0].model is None
     assert methods[-1].team_dir == Path(untrained) and methods[-1].spec == f"team:{untrained}"
     assert methods[2].title == "naive concatenation (untrained team)"
@@ -78,33 +71,9 @@ def test_every_method_is_scored_by_the_environments_joint_reward(tiny_eval):
         assert not any(key.startswith(("pass@", "scheme/")) for key in metrics)  # not a coding task
 
 
-def test_methods_share_one_seed_and_a_saved_team_samples_with_the_configs_settings(tiny_eval):
+def test_baselines_share_one_seed_and_training_changes_a_saved_teams_answers(tiny_eval):
     by_spec = {result.method.spec: result for result in tiny_eval.results.methods}
-    concat, untrained = by_spec["concat"], by_spec[f"team:{tiny_eval.untrained_dir}"]
-    assert [s["actions"] for s in untrained.samples] == [s["actions"] for s in concat.samples]
-    trained = by_spec[f"team:{tiny_eval.run_dir / 'team'}"]
-    assert [s["actions"] for s in trained.samples] != [s["actions"] for s in concat.samples]
+    untrained, trained = by_spec[f"team:{tiny_eval.untrained_dir}"], by_spec[f"team:{tiny_eval.run_dir / 'team'}"]
+    assert [s["actions"] for s in trained.samples] != [s["actions"] for s in untrained.samples]
     # single and single:tiny run the same model with the same seed
     assert [s["actions"] for s in by_spec["single"].samples] == [s["actions"] for s in by_spec["single:tiny"].samples]
-
-
-def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
-    env = make_env("humaneval", eval_size=2, limit=4)  # nothing is run: the rewards are given
-    first, second = env.items("eval")
-    total = [len(first["tests"]), len(second["tests"])]
-    passed = [[total[0], 0, total[0]], [1, 0, 0]]  # 3 samples per item
-    episodes = [Episode(item, ["", ""], [AUX, MAIN]) for item in (first, second) for _ in range(3)]
-    rewards = [RewardResult(2.0, {"syntax": 0.5}, {"tests_passed": float(p), "tests_total": float(t)})
-               for p_item, t in zip(passed, total) for p in p_item]
-    metrics = method_metrics(env, MethodOutput(episodes, tokens=60, seconds=3.0), rewards, 3, (1, 2), True)
-    rates = [[p / t for p in p_item] for p_item, t in zip(passed, total)]
-    for k in (1, 2):
-        assert metrics[f"pass@{k}"] == pytest.approx((pass_at_k(3, 2, k) + pass_at_k(3, 0, k)) / 2)
-        assert metrics[f"accuracy@{k}"] == pytest.approx((accuracy_at_k(rates[0], k) + accuracy_at_k(rates[1], k)) / 2)
-    assert metrics["tests_passed"] == pytest.approx(statistics.fmean(rates[0] + rates[1]))
-    assert metrics["normalised_return"] == pytest.approx(2.0 / env.max_reward)
-    assert metrics["level/syntax"] == 0.5 and "level/tests_passed" not in metrics and "level/tests_total" not in metrics
-    assert metrics["count/tests_total"] == pytest.approx(statistics.fmean([total[0]] * 3 + [total[1]] * 3))
-    assert [key.removeprefix("scheme/") for key in metrics if key.startswith("scheme/")] == list(SCHEMES)
-    assert sum(metrics[f"scheme/{s}"] for s in SCHEMES) == pytest.approx(1.0)
-    assert metrics["tokens_per_answer"] == 10 and metrics["seconds_per_answer"] == 0.5 and metrics["tokens_per_s"] == 20

@@ -1,21 +1,23 @@
 """``teamrl eval``: run methods (prompt-only baselines, trained teams) on one task and measure them alike.
 
 Every method answers the same items of the same environment from the same seed and is scored by the
-environment's own joint reward. The baselines sample with the config's ``team.sampling`` and per-agent
-overrides; a saved team with its own settings, those it was trained with (``team_sampling="config"``
-gives it the config's instead). Per method: normalised return, mean reward and the
+environment's own joint reward (:func:`teamrl.evaluation.heldout.score`). The baselines sample with the
+config's ``team.sampling`` and per-agent overrides; a saved team with its own settings, those it was
+trained with (``team_sampling="config"`` gives it the config's instead), and as training's held-out
+evaluation samples it (:func:`teamrl.evaluation.heldout.sample_held_out`): ``Trainer.evaluate`` of the
+same team, items and seed gives the same numbers. Per method: normalised return, mean reward and the
 mean of each reward part; for coding tasks pass@k, accuracy@k, the fraction of tests passed and the
 cooperation-scheme distribution; for every method tokens, seconds and tokens/s of generation.
 
 Methods (``--methods``, comma-separated): ``single`` (the first agent's model does the whole job),
 ``single:MODEL`` (another model, any ``team.model`` spec), ``concat``, ``sequential``, ``discussion``
 (the baselines of :mod:`teamrl.evaluation.baselines`, on the untrained team the config describes) and
-``team:PATH`` (a team saved by :meth:`teamrl.team.Team.save_pretrained`, run decentralised).
+``team:PATH`` (a team saved by :meth:`teamrl.team.Team.save_pretrained`, run decentralised: each agent
+answers its own observation).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,17 +25,16 @@ from typing import Any, Literal
 
 import torch
 
+from teamrl.algorithms.magrpo import team_sampler
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
-from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
-from teamrl.evaluation.baselines import BASELINES, Episode, MethodOutput
-from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, summarise_levels,
-                                       tokens_per_second)
-from teamrl.evaluation.schemes import classify_scheme, scheme_distribution
-from teamrl.rewards.base import RewardResult
+from teamrl.envs.coding import CodingEnv
+from teamrl.evaluation.baselines import BASELINES, MethodOutput
+from teamrl.evaluation.heldout import sample_held_out, score
+from teamrl.inference import check_context
 from teamrl.team import Agent, Team, load_base_model
 
-#: The prefix of a saved team in ``--methods``; it runs as the ``concat`` baseline (decentralised execution).
+#: The prefix of a saved team in ``--methods``.
 TEAM_PREFIX = "team"
 _TITLES = {"single": "single agent", "concat": "naive concatenation (untrained team)",
            "sequential": "sequential pipeline", "discussion": "one-round discussion"}
@@ -41,12 +42,12 @@ _TITLES = {"single": "single agent", "concat": "naive concatenation (untrained t
 
 @dataclass(frozen=True)
 class Method:
-    """One entry of ``--methods``: which baseline runs, and on whose model."""
+    """One entry of ``--methods``: which baseline runs, and on whose model, or which saved team."""
 
     spec: str
     """As written, e.g. ``single:bundled`` or ``team:runs/x/team``."""
-    baseline: str
-    """The registered baseline that runs it (a saved team runs as ``concat``)."""
+    baseline: str | None
+    """The registered baseline that runs it; None for a saved team."""
     model: str | None = None
     """``single:MODEL``: the single agent's model spec."""
     team_dir: Path | None = None
@@ -63,9 +64,11 @@ class Method:
     @property
     def description(self) -> str:
         """What the method does and what each agent sees: the summary line of its baseline's docstring."""
-        summary = (BASELINES[self.baseline].__doc__ or "").strip().splitlines()[0]
         if self.team_dir is not None:
-            return f"{summary} The agents are the saved team's (trained), run decentralised."
+            return ("Every agent answers its own observation; the answers are the joint action. The agents are "
+                    "the saved team's (trained), run decentralised and sampled as training's held-out evaluation "
+                    "samples them.")
+        summary = (BASELINES[self.baseline].__doc__ or "").strip().splitlines()[0]
         return f"{summary} The single agent runs on {self.model}." if self.model else summary
 
 
@@ -83,7 +86,7 @@ def parse_methods(text: str) -> list[Method]:
             if not (directory / "team.json").is_file():
                 raise ValueError(f"--methods: {spec}: no saved team in {str(directory)!r} (no team.json); give a "
                                  f"directory written by Team.save_pretrained, e.g. RUN_DIR/team after teamrl train")
-            methods.append(Method(spec, "concat", team_dir=directory))
+            methods.append(Method(spec, None, team_dir=directory))
         elif name == "single" and colon and argument:
             methods.append(Method(spec, name, model=argument))
         elif name in BASELINES and not colon:
@@ -203,15 +206,11 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
     try:
         for method, team in zip(settings.methods, teams):
             log(f"{method.spec}: {len(items)} items x {settings.num_samples} samples ...")
-            with torch.random.fork_rng(devices=[]):  # the same sampling stream for every method
-                torch.manual_seed(config.seed)
-                output = BASELINES[method.baseline](env, team, items, settings.num_samples)
-            rewards = env.joint_rewards([(episode.item, episode.actions, ()) for episode in output.episodes])
-            metrics = method_metrics(env, output, rewards, settings.num_samples, settings.ks, is_code)
+            output = _answer(method, env, team, items, settings.num_samples, config.seed)
+            metrics, samples = score(env, output, settings.num_samples, settings.ks)
             log(f"{method.spec}: normalised return {metrics['normalised_return']:.3f}, "
                 f"{metrics['tokens_per_s']:.1f} tokens/s")
-            results.append(MethodResult(method, metrics, _samples(output.episodes, rewards, settings.num_samples,
-                                                                   is_code)))
+            results.append(MethodResult(method, metrics, samples))
     finally:
         close = getattr(env, "close", None)  # a coding task's sandbox pool
         if close is not None:
@@ -250,56 +249,13 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
     return teams
 
 
-def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[RewardResult], num_samples: int,
-                   ks: Sequence[int], is_code: bool) -> dict[str, float]:
-    """A method's metrics (names as in ``results.json``).
-
-    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
-    ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
-    ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
-    and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
-    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's tests a
-    joint action passes) and ``scheme/NAME`` (the fraction of joint actions in each cooperation scheme).
-    """
-    totals = [reward.total for reward in rewards]
-    metrics = {"normalised_return": normalised_return(totals, env.max_reward),
-               "reward_mean": statistics.fmean(totals),
-               "reward_std": statistics.pstdev(totals)}
-    metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})
-    metrics.update({f"count/{name}": value for name, value in summarise_levels([r.counts for r in rewards]).items()})
-    if is_code:
-        rates = [_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
-        per_item = [rates[start:start + num_samples] for start in range(0, len(rates), num_samples)]
-        for k in ks:
-            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(num_samples, sum(r == 1.0 for r in item), k)
-                                                    for item in per_item)
-            metrics[f"accuracy@{k}"] = statistics.fmean(accuracy_at_k(item, k) for item in per_item)
-        metrics["tests_passed"] = statistics.fmean(rates)
-        schemes = scheme_distribution([(e.actions[HELPER], e.actions[MAIN]) for e in output.episodes],
-                                      [e.item["entry_point"] for e in output.episodes], AUX)
-        metrics.update({f"scheme/{name}": fraction for name, fraction in schemes.items()})
-    answers = len(output.episodes)
-    metrics.update({"tokens": float(output.tokens), "seconds": output.seconds,
-                    "tokens_per_answer": output.tokens / answers, "seconds_per_answer": output.seconds / answers,
-                    "tokens_per_s": tokens_per_second(output.tokens, max(output.seconds, 1e-9))})
-    return metrics
-
-
-def _pass_rate(item: Item, reward: RewardResult) -> float:
-    """The fraction of the item's tests a joint action passed (0 when its code never reached the tests)."""
-    return reward.counts.get("tests_passed", 0.0) / len(item["tests"])
-
-
-def _samples(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_samples: int,
-             is_code: bool) -> list[dict[str, Any]]:
-    """``results.json``'s record of each joint action: what each agent saw and wrote, and its reward."""
-    records = []
-    for index, (episode, reward) in enumerate(zip(episodes, rewards)):
-        record = {"item": episode.item.get("id"), "sample": index % num_samples,
-                  "observations": episode.observations, "actions": episode.actions,
-                  "reward": reward.total, "parts": reward.parts, "counts": reward.counts, **episode.trace}
-        if is_code:
-            record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
-                                               episode.item["entry_point"], AUX).scheme
-        records.append(record)
-    return records
+def _answer(method: Method, env: Environment, team: Team, items: Sequence[Item], num_samples: int,
+            seed: int) -> MethodOutput:
+    """The method's ``num_samples`` joint actions per item. A saved team samples as ``Trainer.evaluate`` does;
+    a baseline on torch's RNG seeded with ``seed``, the same stream for every baseline."""
+    if method.baseline is None:
+        check_context(team, [env.observe(item) for item in items])
+        return sample_held_out(team_sampler(team), env, items, num_samples, seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BASELINES[method.baseline](env, team, items, num_samples)

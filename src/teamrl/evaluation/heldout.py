@@ -1,0 +1,148 @@
+"""Held-out evaluation: one path for training, ``teamrl demo`` and ``teamrl eval``.
+
+:func:`sample_held_out` samples a team's joint actions for held-out items; :meth:`teamrl.train.Trainer.evaluate`
+(which ``teamrl demo`` reports) and ``teamrl eval``'s ``team:PATH`` method both call it, so a team scores the
+same wherever it is evaluated. :func:`score` rewards any method's joint actions with the environment's own
+joint reward and summarises them (:func:`method_metrics`, :func:`sample_records`); ``teamrl eval`` reports
+that, and ``Trainer.evaluate`` the same numbers under training's names (:func:`training_view`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from teamrl.envs.base import Environment, Item
+from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
+from teamrl.evaluation.baselines import Episode, MethodOutput
+from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, summarise_levels,
+                                       tokens_per_second)
+from teamrl.evaluation.schemes import classify_scheme, scheme_distribution
+from teamrl.rewards.base import RewardResult
+from teamrl.rollout.generate import derive_seed
+
+if TYPE_CHECKING:
+    from teamrl.algorithms.magrpo import SampleFn
+
+#: Held-out items per sampling call: a generate call's cost grows faster than its batch (longer padded
+#: rows, bigger caches; timings in docs/evaluation.md).
+EVAL_ITEMS_PER_BATCH = 8
+
+
+def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], num_samples: int, seed: int,
+                    items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> MethodOutput:
+    """``num_samples`` joint actions per item (item-major) of the team behind ``sample``, each agent on its own
+    observation, with the tokens generated and the seconds sampling took.
+
+    Items go ``items_per_batch`` at a time, batch b sampled under ``derive_seed(seed, b)``: the numbers
+    depend on the seed, the items and the batching alone, not on what the caller's RNG did before, so
+    evaluating before and after training draws alike and training's own stream is untouched.
+
+    Raises:
+        ValueError: ``items_per_batch`` < 1.
+    """
+    if items_per_batch < 1:
+        raise ValueError(f"items_per_batch: must be >= 1 (got {items_per_batch})")
+    observations = [env.observe(item) for item in items]
+    episodes: list[Episode] = []
+    tokens, seconds = 0, 0.0
+    for batch, start in enumerate(range(0, len(items), items_per_batch)):
+        chunk = observations[start:start + items_per_batch]
+        began = time.perf_counter()
+        generations = sample([[obs[i] for obs in chunk] for i in range(env.num_agents)], num_samples,
+                             derive_seed(seed, batch))
+        seconds += time.perf_counter() - began
+        tokens += sum(generation.num_tokens for generation in generations)
+        episodes += [Episode(items[start + row // num_samples], chunk[row // num_samples],
+                             [generation.texts[row] for generation in generations])
+                     for row in range(len(chunk) * num_samples)]
+    return MethodOutput(episodes, tokens, seconds)
+
+
+def score(env: Environment, output: MethodOutput, num_samples: int,
+          ks: Sequence[int] = (1,)) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """A method's metrics (:func:`method_metrics`) and records (:func:`sample_records`), every joint action of
+    ``output`` (``num_samples`` per item) scored by the environment's own joint reward."""
+    rewards = env.joint_rewards([(episode.item, episode.actions, ()) for episode in output.episodes])
+    is_code = isinstance(env, CodingEnv)
+    return (method_metrics(env, output, rewards, num_samples, ks, is_code),
+            sample_records(output.episodes, rewards, num_samples, is_code))
+
+
+def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[RewardResult], num_samples: int,
+                   ks: Sequence[int], is_code: bool) -> dict[str, float]:
+    """A method's metrics (names as in ``teamrl eval``'s ``results.json``).
+
+    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
+    ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
+    ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
+    and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
+    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's tests a
+    joint action passes) and ``scheme/NAME`` (the fraction of joint actions in each cooperation scheme).
+    """
+    totals = [reward.total for reward in rewards]
+    metrics = {"normalised_return": normalised_return(totals, env.max_reward),
+               "reward_mean": statistics.fmean(totals),
+               "reward_std": statistics.pstdev(totals)}
+    metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})
+    metrics.update({f"count/{name}": value for name, value in summarise_levels([r.counts for r in rewards]).items()})
+    if is_code:
+        rates = [_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
+        per_item = [rates[start:start + num_samples] for start in range(0, len(rates), num_samples)]
+        for k in ks:
+            metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(num_samples, sum(r == 1.0 for r in item), k)
+                                                    for item in per_item)
+            metrics[f"accuracy@{k}"] = statistics.fmean(accuracy_at_k(item, k) for item in per_item)
+        metrics["tests_passed"] = statistics.fmean(rates)
+        schemes = scheme_distribution([(e.actions[HELPER], e.actions[MAIN]) for e in output.episodes],
+                                      [e.item["entry_point"] for e in output.episodes], AUX)
+        metrics.update({f"scheme/{name}": fraction for name, fraction in schemes.items()})
+    answers = len(output.episodes)
+    metrics.update({"tokens": float(output.tokens), "seconds": output.seconds,
+                    "tokens_per_answer": output.tokens / answers, "seconds_per_answer": output.seconds / answers,
+                    "tokens_per_s": tokens_per_second(output.tokens, max(output.seconds, 1e-9))})
+    return metrics
+
+
+def _pass_rate(item: Item, reward: RewardResult) -> float:
+    """The fraction of the item's tests a joint action passed (0 when its code never reached the tests)."""
+    return reward.counts.get("tests_passed", 0.0) / len(item["tests"])
+
+
+def sample_records(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_samples: int,
+                   is_code: bool) -> list[dict[str, Any]]:
+    """``results.json``'s record of each joint action: what each agent saw and wrote, and its reward."""
+    records = []
+    for index, (episode, reward) in enumerate(zip(episodes, rewards)):
+        record = {"item": episode.item.get("id"), "sample": index % num_samples,
+                  "observations": episode.observations, "actions": episode.actions,
+                  "reward": reward.total, "parts": reward.parts, "counts": reward.counts, **episode.trace}
+        if is_code:
+            record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
+                                               episode.item["entry_point"], AUX).scheme
+        records.append(record)
+    return records
+
+
+def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
+                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """:func:`score`'s numbers under the names training logs, for :meth:`teamrl.train.Trainer.evaluate`.
+
+    ``reward/mean`` and ``reward/std`` are computed as training's own (:func:`teamrl.algorithms.magrpo.rollout_metrics`:
+    float32, std with Bessel's correction), so a held-out point sits on the reward curve beside them;
+    ``reward/PART`` is ``level/PART`` and ``count/NAME`` stays, both in name order. The records keep the
+    keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).
+    """
+    totals = torch.tensor([record["reward"] for record in records])
+    view = {"reward/mean": float(totals.mean()), "reward/std": float(totals.std()) if totals.numel() > 1 else 0.0}
+    view.update({f"reward/{name.removeprefix('level/')}": value for name, value in sorted(metrics.items())
+                 if name.startswith("level/")})
+    view.update({name: value for name, value in sorted(metrics.items()) if name.startswith("count/")})
+    samples = [{"item": record["item"], "observations": record["observations"], "actions": record["actions"],
+                "reward": record["reward"], "reward_parts": record["parts"], "reward_counts": record["counts"]}
+               for record in records]
+    return view, samples
