@@ -22,7 +22,7 @@ import importlib.util
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from teamrl.config import config_from_dict
 from teamrl.envs.base import make_env
 from teamrl.evaluation.metrics import tokens_per_second
 from teamrl.evaluation.report import markdown_table
-from teamrl.rollout.generate import generate_team
+from teamrl.rollout.generate import Generation, generate_team
 from teamrl.team import Team
 
 
@@ -45,15 +45,16 @@ def unavailable() -> str | None:
     return None
 
 
-def timed_rollouts(team: Team, prompts: Sequence[list[str]], num_samples: int, repeats: int,
-                   seed: int) -> dict[str, Any]:
-    """One warm-up rollout, then ``repeats`` timed ones with the team's current backend; runs and medians."""
-    generate_team(team, prompts, num_samples, seed=seed)
+def timed_rollouts(sample: Callable[..., list[Generation]], team: Team, prompts: Sequence[list[str]],
+                   num_samples: int, repeats: int, seed: int) -> dict[str, Any]:
+    """One warm-up rollout, then ``repeats`` timed ones with ``sample`` (``generate_team`` or a sampler's); runs
+    and medians."""
+    sample(team, prompts, num_samples, seed=seed)
     runs = []
     for repeat in range(1, repeats + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        generations = generate_team(team, prompts, num_samples, seed=seed + repeat)
+        generations = sample(team, prompts, num_samples, seed=seed + repeat)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = sum(gen.num_tokens for gen in generations)
@@ -93,9 +94,10 @@ def main() -> None:
     team = Team.from_config(config.team, env, seed=args.seed)
     observations = [env.observe(item) for item in list(env.items("eval"))[:args.items]]
     prompts = [[agent.prompt(obs[i]) for obs in observations] for i, agent in enumerate(team)]
-    results = {"transformers": timed_rollouts(team, prompts, args.num_generations, args.repeats, args.seed)}
-    team.sampler = VLLMSampler(config.rollout)
-    results["vllm"] = timed_rollouts(team, prompts, args.num_generations, args.repeats, args.seed)
+    results = {"transformers": timed_rollouts(generate_team, team, prompts, args.num_generations, args.repeats,
+                                              args.seed)}
+    results["vllm"] = timed_rollouts(VLLMSampler(config.rollout).generate_team, team, prompts,
+                                     args.num_generations, args.repeats, args.seed)
     speedup = results["vllm"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
 
     date = datetime.date.today().isoformat()

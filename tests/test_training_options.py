@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from teamrl.train import Trainer, batch_indices, make_scheduler
+from teamrl.backend import make_scheduler
+from teamrl.train import Trainer, batch_indices
 
 
 def test_warmup_then_decay_schedules():

@@ -19,7 +19,6 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,9 +27,6 @@ from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
 from teamrl.models.attention import use_grouped_attention
 from teamrl.models.onednn import use_onednn_linears
-
-if TYPE_CHECKING:
-    from teamrl.rollout.generate import TeamSampler
 
 
 @dataclass
@@ -111,9 +107,6 @@ class Team:
 
     def __init__(self, agents: Sequence[Agent]):
         self.agents = list(agents)
-        self.sampler: TeamSampler | None = None
-        """Samples the team's completions in place of transformers' ``generate`` when set (the Trainer sets a
-        :class:`~teamrl.rollout.vllm_backend.VLLMSampler` for ``rollout.backend: vllm``)."""
 
     def __len__(self) -> int:
         return len(self.agents)

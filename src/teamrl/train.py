@@ -1,14 +1,14 @@
 """The training loop: wires config -> environment -> team -> MAGRPO steps, with logging and checkpoints.
 
-The algorithm itself lives in :mod:`teamrl.algorithms.magrpo`; this module only decides which items a
-step sees, keeps optimisers and schedules, writes metrics and samples, and saves/resumes checkpoints.
+The algorithm itself lives in :mod:`teamrl.algorithms.magrpo`, and the agents behind
+:mod:`teamrl.backend`; this module only decides which items a step sees, writes metrics and samples, and
+saves/resumes checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -24,17 +24,17 @@ import numpy as np
 import torch
 import yaml
 
-from teamrl.algorithms import fast_update, magrpo
-from teamrl.checkpoint import (AgentState, CheckpointUnreadable, agent_state, discard_checkpoints_after,
-                               load_checkpoint, restore_agent_state, save_checkpoint)
+from teamrl.algorithms import magrpo
+from teamrl.backend import AgentBackend, make_backend
+from teamrl.checkpoint import CheckpointUnreadable, discard_checkpoints_after, load_checkpoint, save_checkpoint
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
-from teamrl.rollout.generate import Generation, derive_seed, seeded
+from teamrl.rollout.generate import Generation, derive_seed
 from teamrl.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TEAM_DIR, TENSORBOARD_DIR,
                             RunDirError, claim_run_dir, clear_run_outputs, complete_checkpoints, resume_command)
-from teamrl.team import Agent, Team
+from teamrl.team import Team
 
 if TYPE_CHECKING:
     from teamrl.distributed import RayTeam
@@ -57,60 +57,6 @@ def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list
     return indices
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int):
-    """Linear warm-up over ``warmup`` optimiser steps, then constant, linear or cosine decay to 0 at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr: float | None = None):
-    """An agent's AdamW (at ``lr``, default ``optim.lr``) and its schedule over the run's optimiser steps."""
-    optim = config.optim
-    optimizer = torch.optim.AdamW(parameters, lr=lr or optim.lr, betas=tuple(optim.betas),
-                                  weight_decay=optim.weight_decay)
-    total = config.steps * config.algorithm.num_iterations
-    return optimizer, make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total)
-
-
-def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]],
-                 advantages: Sequence[list[torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
-                 schedulers: Sequence[Any], config: TrainConfig, seeds: Sequence[int]) -> list[dict[str, float]]:
-    """The agents' updates of a step (paper Eq. 2, :func:`magrpo.update_agent`, or the same computed by
-    :mod:`~teamrl.algorithms.fast_update` with ``optim.fast_update``) with the run's settings; each agent's
-    stats and the learning rate it leaves. The same call runs here and, for its one agent, in a Ray agent
-    actor. Each update runs under its agent's own ``seeds[k]``, which seeds whatever it draws (dropout), so
-    the result depends on the step alone: not on the process it runs in, nor on what ran before it. (Agents
-    that pool their micro-batches, :func:`fast_update.update_pools`, run under the first one's seed: a pool
-    draws nothing, pools form only without dropout.)"""
-    optim = config.optim
-    stats: dict[int, dict[str, float]] = {}
-    if optim.fast_update:
-        for pool in fast_update.update_pools(agents, optim.parallel_micro_batches):
-            with seeded(seeds[pool[0]], agents[pool[0]].parameters[0].device):
-                stats.update(zip(pool, fast_update.update_agents(
-                    [agents[k] for k in pool], [generations[k] for k in pool], [advantages[k] for k in pool],
-                    [optimizers[k] for k in pool], [schedulers[k] for k in pool], config.algorithm,
-                    micro_batch_size=optim.micro_batch_size, max_grad_norm=optim.max_grad_norm,
-                    parallel_micro_batches=optim.parallel_micro_batches)))
-    else:
-        for k, agent in enumerate(agents):
-            with seeded(seeds[k], agent.parameters[0].device):
-                stats[k] = magrpo.update_agent(agent, generations[k], advantages[k], optimizers[k], schedulers[k],
-                                               config.algorithm, micro_batch_size=optim.micro_batch_size,
-                                               max_grad_norm=optim.max_grad_norm)
-    return [{**stats[k], "lr": schedulers[k].get_last_lr()[0]} for k in range(len(agents))]
-
-
 class TrainingInterrupted(KeyboardInterrupt):
     """:meth:`Trainer.train` stopped on SIGINT (Ctrl-C) or SIGTERM. The message says which checkpoint holds
     the run and how to resume it. A KeyboardInterrupt, like the one Ctrl-C raises: ``except Exception``
@@ -126,9 +72,10 @@ class Trainer:
     """Trains a team with MAGRPO as ``config`` says.
 
     ``team`` and ``env`` may be given directly (Python API); otherwise they are built from the config.
-    With ``distributed.backend='ray'`` the agents live in Ray actors (``team`` is then a
-    :class:`~teamrl.distributed.RayTeam`) and this process drives them: it samples every turn through all
-    of them at once, computes rewards and advantages itself, and has them all update at once.
+    The Trainer reaches the agents only through :attr:`agents`, an :class:`~teamrl.backend.AgentBackend`:
+    in this process (sampled by transformers or vLLM), or in Ray actors (``distributed.backend='ray'``),
+    which this process drives: it samples every turn through all of them at once, computes rewards and
+    advantages itself, and has them all update at once.
 
     A Trainer holds ``config.run_dir`` from construction until :meth:`close` (or the end of a ``with``
     block, or of the process): a second training into it is refused (:mod:`teamrl.run_dir`). ``resume``
@@ -174,35 +121,12 @@ class Trainer:
         if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
             raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
                              f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
-        self.team: Team | RayTeam
-        if config.distributed.backend == "ray":
-            if team is not None:
-                raise ValueError("distributed.backend: 'ray' builds every agent in its own actor from the config; "
-                                 "pass no team object, or use 'local'")
-            from teamrl.distributed import RayTeam
-
-            self.team = RayTeam(config, self.env)
-            self.agent_names = self.team.names
-            self.sample: magrpo.SampleFn = self.team.sample
-        else:
-            self.team = team if team is not None else Team.from_config(
-                config.team, self.env, seed=config.seed, need_reference=config.algorithm.kl_coef > 0)
-            self.agent_names = [agent.name for agent in self.team]
-            self.sample = magrpo.team_sampler(self.team)
-            if config.rollout.backend == "vllm":
-                from teamrl.rollout.vllm_backend import VLLMSampler
-
-                self.team.sampler = VLLMSampler(config.rollout)
+        self.agents: AgentBackend = make_backend(config, self.env, team)
+        """Where the agents live and how they are sampled and updated (:mod:`teamrl.backend`)."""
+        self.agent_names = self.agents.names
         self.items: Sequence[Item] = self.env.items("train")
         if not self.items:
             raise ValueError(f"env: {type(self.env).__name__} has no training items")
-        self.optimizers = []  # under Ray, each agent's optimiser and schedule live in its actor
-        self.schedulers = []
-        if isinstance(self.team, Team):
-            for agent, agent_cfg in zip(self.team, config.team.agents):
-                optimizer, scheduler = make_optimizer(agent.parameters, config, agent_cfg.lr)
-                self.optimizers.append(optimizer)
-                self.schedulers.append(scheduler)
         self.step = 0
         self._writers: list[Any] = []
 
@@ -222,7 +146,7 @@ class Trainer:
         update_start = time.perf_counter()
         generations = [[t.generations[i] for t in tree.turns] for i in range(len(names))]
         seeds = [derive_seed(config.seed, self.step, "update", i) for i in range(len(names))]
-        for name, stats in zip(names, self._update(generations, per_agent, seeds)):
+        for name, stats in zip(names, self.agents.update(generations, per_agent, seeds)):
             metrics.update({f"{name}/{key}": value for key, value in stats.items()})
         generated = sum(gen.num_tokens for t in tree.turns for gen in t.generations)
         self.step += 1
@@ -285,15 +209,24 @@ class Trainer:
                 writer.close()
         return history
 
+    @property
+    def team(self) -> Team | RayTeam:
+        """The team: its agents in this process, or the :class:`~teamrl.distributed.RayTeam` of its actors."""
+        return self.agents.team
+
+    def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+        """Every agent's ``num_samples`` completions of its own observations (:meth:`AgentBackend.sample`)."""
+        return self.agents.sample(observations, num_samples, seed)
+
     def save_team(self, directory: str | Path | None = None) -> Path:
         """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
         env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
-        return self.team.save_pretrained(directory or self.run_dir / TEAM_DIR,
-                                         metadata={"env": env, "seed": self.config.seed, "step": self.step})
+        return self.agents.save(directory or self.run_dir / TEAM_DIR,
+                                metadata={"env": env, "seed": self.config.seed, "step": self.step})
 
     def save(self) -> Path:
         """Checkpoint the current step."""
-        return save_checkpoint(self.run_dir, self.step, dict(zip(self.agent_names, self._agent_states())),
+        return save_checkpoint(self.run_dir, self.step, dict(zip(self.agent_names, self.agents.states())),
                                keep_last=self.config.checkpoint.keep_last)
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
@@ -323,21 +256,6 @@ class Trainer:
         return heldout.training_view(*heldout.score(self.env, output, num_samples))
 
     # ----------------------------------------------------------------------------------------------
-    def _update(self, generations: list[list[Generation]], advantages: list[list[torch.Tensor]],
-                seeds: list[int]) -> list[dict[str, float]]:
-        """Every agent's update of this step (agent i: its completions of every turn, their advantages and
-        its seed): here one after the other, or in the agents' Ray actors all at once."""
-        if not isinstance(self.team, Team):
-            return self.team.update(generations, advantages, seeds)
-        return train_agents(list(self.team), generations, advantages, self.optimizers, self.schedulers, self.config,
-                            seeds)
-
-    def _agent_states(self) -> list[AgentState]:
-        """Every agent's trained parameters and optimiser and schedule state, for a checkpoint."""
-        if not isinstance(self.team, Team):
-            return self.team.states()
-        return [agent_state(*live) for live in zip(self.team, self.optimizers, self.schedulers)]
-
     def _resume(self) -> None:
         """Load the newest checkpoint that reads back whole (a damaged one is skipped with a warning: that
         is what ``checkpoint.keep_last`` > 1 keeps older ones for) and drop what the run logged after it."""
@@ -352,11 +270,7 @@ class Trainer:
         else:
             raise RunDirError(f"run_dir: no checkpoint in {str(self.run_dir)!r} can be read (see the warnings "
                               f"above); start a new run with --overwrite")
-        if isinstance(self.team, Team):
-            for agent, optimizer, scheduler in zip(self.team, self.optimizers, self.schedulers):
-                restore_agent_state(agent, optimizer, scheduler, states[agent.name], checkpoint)
-        else:
-            self.team.load_states([states[name] for name in self.agent_names], checkpoint)
+        self.agents.load_states([states[name] for name in self.agent_names], checkpoint)
         self.step = int(state["step"])
         # Steps logged or checkpointed after this checkpoint will be redone: drop them.
         for skipped in discard_checkpoints_after(self.run_dir, self.step):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from teamrl.algorithms import fast_update, magrpo
-from teamrl.train import Trainer, train_agents
+from teamrl.backend import train_agents
+from teamrl.train import Trainer
 
 
 @pytest.mark.parametrize("training", ["full", "lora"])
@@ -71,9 +72,9 @@ def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fast_update, "_in_threads", counting)
-        together = train_agents(team, generations, advantages, pooled.optimizers, pooled.schedulers, config, [1, 2])
-        one_by_one = [fast_update.update_agent(agent, generations[k], advantages[k], alone.optimizers[k],
-                                          alone.schedulers[k], config.algorithm, micro_batch_size=2,
+        together = train_agents(team, generations, advantages, pooled.agents.optimizers, pooled.agents.schedulers, config, [1, 2])
+        one_by_one = [fast_update.update_agent(agent, generations[k], advantages[k], alone.agents.optimizers[k],
+                                          alone.agents.schedulers[k], config.algorithm, micro_batch_size=2,
                                           max_grad_norm=config.optim.max_grad_norm, parallel_micro_batches=2)
                       for k, agent in enumerate(alone.team)]
     assert threads_used == [(6, 2), (3, 2), (3, 2)]
@@ -142,7 +143,7 @@ def test_only_lora_agents_on_one_base_with_threads_pool(tiny_config):
     full = Trainer(tiny_config(steps=1))
     assert fast_update.update_pools(list(full.team), 2) == [[0], [1]]  # a model each
     with pytest.raises(ValueError, match="plain LoRA adapters of one shared model"):
-        fast_update.update_agents(list(full.team), [[], []], [[], []], full.optimizers, full.schedulers,
+        fast_update.update_agents(list(full.team), [[], []], [[], []], full.agents.optimizers, full.agents.schedulers,
                              full.config.algorithm)
 
 

@@ -72,12 +72,16 @@ def test_ray_run_matches_the_single_process_run(local_ray, tiny_config_data, tmp
         assert all(step[f"{name}/grad_norm"] > 0 for step in actual for name in ("first", "second"))
         untrained = Team.from_config(local.config.team, local.env, seed=local.config.seed)
         for agent, optimizer, scheduler, got, before in zip(
-                local.team, local.optimizers, local.schedulers, remote.team.states(), untrained):
+                local.team, local.agents.optimizers, local.agents.schedulers, remote.team.states(), untrained):
             initial = dict(before.model.named_parameters())
             assert any(not torch.equal(tensor, initial[name]) for name, tensor in got.parameters.items())
             for name, tensor in agent_state(agent, optimizer, scheduler).parameters.items():
                 torch.testing.assert_close(got.parameters[name], tensor, rtol=REL, atol=ABS)
         assert remote.evaluate(num_samples=2) == pytest.approx(local.evaluate(num_samples=2), rel=REL, abs=ABS)
+        # Scoring completions under the current policies, in the actors as here.
+        generations = local._last_tree.turns[0].generations
+        for here, there in zip(local.agents.logprobs(generations), remote.agents.logprobs(generations)):
+            torch.testing.assert_close(there, here, rtol=REL, atol=ABS)
     finally:
         remote.team.shutdown()
 

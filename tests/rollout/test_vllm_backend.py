@@ -23,11 +23,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from teamrl.algorithms.logprobs import token_logprobs
 from teamrl.config import ConfigError, RolloutConfig, config_from_dict, load_config
 from teamrl.models.tiny import tiny_tokenizer
-from teamrl.algorithms.logprobs import token_logprobs
 from teamrl.rollout.generate import encode_prompts, generate_team
 from teamrl.rollout.vllm_backend import (
+    VLLMBackend,
     VLLMSampler,
     export_model,
     generation_from_outputs,
@@ -80,8 +81,21 @@ def test_rollout_defaults_to_transformers_and_round_trips_overrides():
     assert config.rollout == RolloutConfig(gpu_memory_utilization=0.25, sleep_between_rollouts=True)
 
 
-def test_transformers_backend_leaves_the_team_without_a_sampler(tiny_config):
-    assert Trainer(tiny_config(steps=1)).team.sampler is None
+def test_transformers_backend_samples_in_this_process(tiny_config):
+    from teamrl.backend import LocalBackend
+
+    assert type(Trainer(tiny_config(steps=1)).agents) is LocalBackend
+
+
+def _vllm_trainer(tiny_config, **overrides) -> Trainer:
+    """A Trainer on the vLLM backend (with the fake_vllm fixture, on this GPU-less machine)."""
+    rollout = {"backend": "vllm", **overrides.pop("rollout", {})}
+    with pytest.MonkeyPatch.context() as patch:  # the config's check that vLLM can run here
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        find_spec = importlib.util.find_spec
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+        config = tiny_config(rollout=rollout, **overrides)
+    return Trainer(config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -256,10 +270,10 @@ def fake_vllm(monkeypatch):
     return engines
 
 
-def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, fake_vllm, tmp_path):
-    trainer = Trainer(tiny_config(steps=3, team={"training": "lora", "lora": {"r": 4}}))
-    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3), workdir=tmp_path)
-    trainer.team.sampler = sampler
+def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, fake_vllm):
+    trainer = _vllm_trainer(tiny_config, steps=3, team={"training": "lora", "lora": {"r": 4}},
+                            rollout={"gpu_memory_utilization": 0.3})
+    sampler = trainer.agents.sampler
 
     metrics = trainer.train_step()
     assert math.isfinite(metrics["loss"]) and metrics["tokens/generated"] > 0
@@ -299,10 +313,9 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     assert len(fake_vllm) == 1 and not engine.loaded
 
 
-def test_full_fine_tuning_pushes_weights_and_sleeps_between_rollouts(tiny_config, fake_vllm, tmp_path):
-    trainer = Trainer(tiny_config(steps=2, team={"training": "full"}))
-    trainer.team.sampler = VLLMSampler(RolloutConfig(backend="vllm", sleep_between_rollouts=True,
-                                                     max_model_len=256), workdir=tmp_path)
+def test_full_fine_tuning_pushes_weights_and_sleeps_between_rollouts(tiny_config, fake_vllm):
+    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "full"},
+                            rollout={"sleep_between_rollouts": True, "max_model_len": 256})
     trainer.train_step()
     assert len(fake_vllm) == 2  # each agent owns its model: an engine each
     for engine in fake_vllm:
@@ -317,13 +330,10 @@ def test_full_fine_tuning_pushes_weights_and_sleeps_between_rollouts(tiny_config
         assert engine.events == ["generate", "sleep1", "wake_up", "generate", "sleep1"]
 
 
-def test_config_picks_the_vllm_sampler(tiny_config_data, fake_vllm, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
-    trainer = Trainer(config_from_dict(tiny_config_data(rollout={"backend": "vllm"})))
-    assert isinstance(trainer.team.sampler, VLLMSampler) and not fake_vllm  # engines start at the first rollout
+def test_config_picks_the_vllm_backend(tiny_config, fake_vllm):
+    trainer = _vllm_trainer(tiny_config, steps=1)
+    assert isinstance(trainer.agents, VLLMBackend) and isinstance(trainer.agents.sampler, VLLMSampler)
+    assert not fake_vllm  # engines start at the first rollout
 
 
 def test_sampler_generations_match_the_transformers_layout(tiny_config, fake_vllm, tmp_path):
@@ -331,14 +341,14 @@ def test_sampler_generations_match_the_transformers_layout(tiny_config, fake_vll
     prompts = [[agent.prompt(obs[i]) for obs in (trainer.env.observe(it) for it in trainer.items[:3])]
                for i, agent in enumerate(trainer.team)]
     expected = generate_team(trainer.team, prompts, 2)
-    trainer.team.sampler = VLLMSampler(RolloutConfig(backend="vllm"), workdir=tmp_path)
-    got = generate_team(trainer.team, prompts, 2)
+    sampler = VLLMSampler(RolloutConfig(backend="vllm"), workdir=tmp_path)
+    got = sampler.generate_team(trainer.team, prompts, 2)
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine.prompt_ids, theirs.prompt_ids) and torch.equal(mine.prompt_mask, theirs.prompt_mask)
         assert mine.completion_ids.shape[0] == theirs.completion_ids.shape[0] == 6
         assert (mine.sampling_logprobs[mine.completion_mask == 0] == 0).all()
     for _ in range(2):
-        generate_team(trainer.team, prompts, 2, seed=5)
+        sampler.generate_team(trainer.team, prompts, 2, seed=5)
     first, second = ([params.seed for params in call[1]] for call in fake_vllm[0].calls[-2:])
     assert first == second and len(set(first)) == len(first)  # a seed fixes every request's stream
 
@@ -357,13 +367,13 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
     pytest.importorskip("vllm", reason="vllm not installed")
     trainer = Trainer(tiny_config(steps=1, team={"model": "bundled", "training": training, "device": "cuda",
                                                  "sampling": {"max_new_tokens": 16}}))
-    trainer.team.sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3), workdir=tmp_path)
+    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3), workdir=tmp_path)
     prompts = [[agent.prompt(obs[i]) for obs in (trainer.env.observe(it) for it in trainer.items[:2])]
                for i, agent in enumerate(trainer.team)]
 
     def mismatch() -> float:
         worst = 0.0
-        for agent, gen in zip(trainer.team, generate_team(trainer.team, prompts, 2)):
+        for agent, gen in zip(trainer.team, sampler.generate_team(trainer.team, prompts, 2)):
             agent.activate()
             with torch.no_grad():
                 trained = token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,

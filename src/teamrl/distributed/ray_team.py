@@ -31,12 +31,13 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from teamrl.backend import make_optimizer, policy_logprobs, train_agents
 from teamrl.checkpoint import AgentState, agent_state, restore_agent_state
 from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation, derive_seed, generate
 from teamrl.team import Team
-from teamrl.train import make_optimizer, seed_everything, train_agents
+from teamrl.train import seed_everything
 
 PLACEMENT_TIMEOUT_S = 600.0
 """How long to wait for the cluster to reserve every agent's CPUs/GPUs before giving up with an error."""
@@ -81,6 +82,10 @@ class AgentWorker:
         prompts = [self.agent.prompt(observation) for observation in observations]
         return _moved(generate(self.agent, prompts, num_samples, seed=seed), "cpu")
 
+    def logprobs(self, generation: Generation) -> torch.Tensor:
+        """The log-probs of ``generation``'s completion tokens under the agent's current policy, on the CPU."""
+        return policy_logprobs(self.agent, _moved(generation, self.agent.parameters[0].device)).cpu()
+
     def update(self, generations: list[Generation], advantages: list[torch.Tensor], seed: int) -> dict[str, float]:
         """The agent's update of a step (its completions of every turn and their advantages); its stats."""
         device = self.agent.parameters[0].device
@@ -107,12 +112,12 @@ class AgentWorker:
 
 
 class RayTeam:
-    """The team as Ray actors, one per agent, driven from this process (see the module's docstring).
+    """The team as Ray actors, one per agent, driven from this process (see the module's docstring): the
+    :class:`~teamrl.backend.AgentBackend` of ``distributed.backend: ray``.
 
     Joins the Ray cluster at ``distributed.address`` (or uses the Ray already initialised in this process,
     or starts a local one), reserves each agent's CPUs and GPUs in one placement group (all or nothing,
-    placed by ``distributed.placement``) and starts the actors. :meth:`sample` is the rollout's
-    :data:`~teamrl.algorithms.magrpo.SampleFn`.
+    placed by ``distributed.placement``) and starts the actors.
     """
 
     def __init__(self, config: TrainConfig, env: Environment):
@@ -143,14 +148,23 @@ class RayTeam:
     def __len__(self) -> int:
         return len(self._actors)
 
+    @property
+    def team(self) -> RayTeam:
+        """The team as its user handles it (:attr:`teamrl.train.Trainer.team`): these actors."""
+        return self
+
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         """Every agent's completions of its own observations, sampled in the actors at once."""
         # Agent i samples under the seed that generate_team gives agent i's call in one process.
         return ray.get([actor.generate.remote(list(obs), num_samples, derive_seed(seed, i))
                         for i, (actor, obs) in enumerate(zip(self._actors, observations))])
 
-    def update(self, generations: list[list[Generation]], advantages: list[list[torch.Tensor]],
-               seeds: list[int]) -> list[dict[str, float]]:
+    def logprobs(self, generations: Sequence[Generation]) -> list[torch.Tensor]:
+        """Every agent's log-probs of its completions ``generations[i]``, computed in the actors at once."""
+        return ray.get([actor.logprobs.remote(gen) for actor, gen in zip(self._actors, generations)])
+
+    def update(self, generations: Sequence[list[Generation]], advantages: Sequence[list[torch.Tensor]],
+               seeds: Sequence[int]) -> list[dict[str, float]]:
         """Every agent's update (agent i: its completions of every turn, their advantages, its seed), at once."""
         return ray.get([actor.update.remote(agent_generations, agent_advantages, seed) for actor, agent_generations,
                         agent_advantages, seed in zip(self._actors, generations, advantages, seeds)])
@@ -159,11 +173,11 @@ class RayTeam:
         """Every agent's checkpoint state, in seat order."""
         return ray.get([actor.state.remote() for actor in self._actors])
 
-    def load_states(self, states: list[AgentState], source: str | Path) -> None:
+    def load_states(self, states: Sequence[AgentState], source: str | Path) -> None:
         """Resume every agent from its state (seat order), read from checkpoint ``source``."""
         ray.get([actor.load_state.remote(state, str(source)) for actor, state in zip(self._actors, states)])
 
-    def save_pretrained(self, directory: str | Path, metadata: dict | None = None) -> Path:
+    def save(self, directory: str | Path, metadata: dict | None = None) -> Path:
         """Write the team as :meth:`Team.save_pretrained` does (loadable with :meth:`Team.from_pretrained`)."""
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,6 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
@@ -70,15 +69,6 @@ class Generation:
         width = int(self.completion_mask.sum(dim=1).max()) if self.completion_mask.numel() else 0
         return Generation(self.prompt_ids, self.prompt_mask, self.completion_ids[:, :width],
                           self.completion_mask[:, :width], self.sampling_logprobs[:, :width], self.texts)
-
-
-class TeamSampler(Protocol):
-    """Another engine that samples a team's completions (``Team.sampler``), e.g. vLLM on a GPU."""
-
-    def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                      seed: int | None = None) -> list[Generation]:
-        """What :func:`generate_team` returns, laid out the same way; ``seed`` fixes the samples."""
-        ...
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -292,14 +282,10 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     (one RNG stream, so training is reproducible) or, with ``concurrent``, in parallel threads (torch
     releases the GIL in its kernels) as decentralised execution wants.
 
-    A team with a :attr:`~teamrl.team.Team.sampler` (another engine, e.g. vLLM) is sampled by it instead.
-
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
     actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
     layout. Threads would share torch's one global RNG, hence not with ``concurrent``.
     """
-    if team.sampler is not None:
-        return team.sampler.generate_team(team, prompts, num_samples, seed=seed)
     groups: dict[int, list[int]] = {}
     for i, agent in enumerate(team):
         groups.setdefault(id(agent.model), []).append(i)

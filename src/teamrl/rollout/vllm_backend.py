@@ -1,7 +1,8 @@
 """Rollouts with vLLM on a GPU (``rollout.backend: vllm``; extra ``[vllm]``).
 
-:class:`VLLMSampler` is a :class:`~teamrl.rollout.generate.TeamSampler`: set as ``team.sampler`` it
-samples every rollout in place of transformers' ``generate`` and returns the same
+:class:`VLLMBackend` is the :class:`~teamrl.backend.AgentBackend` of agents trained in this process and
+sampled by vLLM: its :class:`VLLMSampler` samples every rollout in place of transformers' ``generate``
+(:func:`~teamrl.rollout.generate.generate_team`, the same signature) and returns the same
 :class:`~teamrl.rollout.generate.Generation` objects, so the rest of MAGRPO is unchanged.
 
 * One vLLM engine per base model. At its first rollout the sampler exports the weights teamrl holds
@@ -40,7 +41,8 @@ from typing import Any, Protocol
 
 import torch
 
-from teamrl.config import RolloutConfig
+from teamrl.backend import LocalBackend
+from teamrl.config import RolloutConfig, TrainConfig
 from teamrl.rollout.generate import (Generation, completion_mask, decode_completions, derive_seed, encode_prompts,
                                     seeded)
 from teamrl.team import Agent, Team
@@ -154,8 +156,8 @@ class _Engine:
 class VLLMSampler:
     """Samples a team's rollouts with vLLM, keeping each engine in sync with the agents' weights.
 
-    One sampler serves one team (it remembers agents by name). Set it as ``team.sampler``; the Trainer
-    does so for ``rollout.backend: vllm``. Needs the ``vllm`` package and an NVIDIA GPU.
+    One sampler serves one team (it remembers agents by name); :class:`VLLMBackend` holds one for
+    ``rollout.backend: vllm``. Needs the ``vllm`` package and an NVIDIA GPU.
     """
 
     def __init__(self, config: RolloutConfig, workdir: str | Path | None = None):
@@ -301,3 +303,15 @@ def _in_process_engine() -> Iterator[None]:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+class VLLMBackend(LocalBackend):
+    """The agents in this process, updated with torch as :class:`~teamrl.backend.LocalBackend` does and
+    sampled by vLLM (:class:`VLLMSampler`, which pushes the weights an update changed before it samples)."""
+
+    def __init__(self, team: Team, config: TrainConfig):
+        super().__init__(team, config)
+        self.sampler = VLLMSampler(config.rollout)
+
+    def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+        return self.sampler.generate_team(self.team, self.prompts(observations), num_samples, seed=seed)
