@@ -22,10 +22,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from comlrl_side_by_side import (
+    AGENT_NAMES,
+    RunSpec,
+    comlrl_config,
+    comlrl_model_config,
+    joint_actions_per_step,
+    teamrl_config,
+)
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from comlrl_side_by_side import (AGENT_NAMES, RunSpec, comlrl_config, comlrl_model_config, joint_actions_per_step,
-                                 teamrl_config)
 from teamrl.config import config_from_dict
 from teamrl.envs.base import Item, Step
 from teamrl.envs.writing import TldrEnv

@@ -27,7 +27,8 @@ print(sorted(name for name in {HEAVY!r} if name in sys.modules))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
-    assert "tiny_digit_sum" in result.stdout and "digit_sum" in result.stdout and "algorithm.num_generations" in result.stdout
+    assert "tiny_digit_sum" in result.stdout and "digit_sum" in result.stdout
+    assert "algorithm.num_generations" in result.stdout
 
 
 def test_version(capsys):
@@ -45,8 +46,9 @@ def test_library_noise_is_off_unless_verbose(tiny_config, tmp_path):
     command = [sys.executable, "-m", "teamrl.cli", "generate", str(team), "--split", "eval", "--limit", "1"]
     quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr
-    assert quiet.stderr == ""  # no loading bars, no FutureWarnings: only what teamrl reports, on stdout
+    assert quiet.stderr == "", quiet.stderr  # no loading bars, no FutureWarnings: only teamrl's report, on stdout
     verbose = subprocess.run([*command, "--verbose"], capture_output=True, text=True, timeout=300)
     assert verbose.returncode == 0, verbose.stderr
-    assert "Warning" in verbose.stderr or "it/s" in verbose.stderr  # the libraries' own output, kept
+    # the libraries' own output, kept
+    assert "Warning" in verbose.stderr or "it/s" in verbose.stderr, verbose.stderr
     assert verbose.stdout.count("joint reward") == quiet.stdout.count("joint reward") == 1

@@ -16,7 +16,8 @@ def test_readme_python_example_trains_a_team(tmp_path, monkeypatch, capsys):
     assert blocks, "README has no Python example"
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0], "README.md", "exec"), {})
-    before, after = map(float, re.search(r"held-out joint reward ([\d.]+) -> ([\d.]+)", capsys.readouterr().out).groups())
+    printed = capsys.readouterr().out
+    before, after = map(float, re.search(r"held-out joint reward ([\d.]+) -> ([\d.]+)", printed).groups())
     assert after > before + 0.5
     assert (tmp_path / "runs/readme/team/team.json").exists()
 

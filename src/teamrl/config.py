@@ -123,7 +123,8 @@ class TeamConfig:
                    "must be a non-empty identifier (letters, digits, _)", agent.name)
             _check(agent.lr is None or agent.lr > 0, f"{path}.agents[{i}].lr", "must be > 0", agent.lr)
             self.agent_sampling(i).validate(f"{path}.agents[{i}].sampling")
-            _check_model_spec(agent.model or self.model, f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
+            _check_model_spec(agent.model or self.model,
+                              f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
 
     def agent_sampling(self, index: int) -> SamplingConfig:
         """The team's sampling settings with agent ``index``'s overrides applied."""

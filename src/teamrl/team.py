@@ -61,7 +61,8 @@ class Agent:
                 yield self.model
         else:
             if self.reference_model is None:
-                raise RuntimeError(f"agent {self.name!r} has no reference model; build the team with need_reference=True")
+                raise RuntimeError(f"agent {self.name!r} has no reference model; "
+                                   "build the team with need_reference=True")
             yield self.reference_model
 
     @property
@@ -249,7 +250,8 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         words = env.vocabulary()
         if not words:
-            raise ValueError(f"team.model: 'tiny' needs an environment with a vocabulary; {type(env).__name__} has none")
+            raise ValueError(f"team.model: 'tiny' needs an environment with a vocabulary; "
+                             f"{type(env).__name__} has none")
         model, tokenizer = tiny_model_and_tokenizer(words, seed=seed)
     else:
         from teamrl.models.loading import load_model_and_tokenizer

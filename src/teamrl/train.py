@@ -32,8 +32,19 @@ from teamrl.envs.base import Environment, Item, make_env
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
 from teamrl.rollout.generate import Generation, derive_seed
-from teamrl.run_dir import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, TEAM_DIR, TENSORBOARD_DIR,
-                            RunDirError, claim_run_dir, clear_run_outputs, complete_checkpoints, resume_command)
+from teamrl.run_dir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_FILE,
+    TEAM_DIR,
+    TENSORBOARD_DIR,
+    RunDirError,
+    claim_run_dir,
+    clear_run_outputs,
+    complete_checkpoints,
+    resume_command,
+)
 from teamrl.team import Team
 
 if TYPE_CHECKING:

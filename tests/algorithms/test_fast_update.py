@@ -13,7 +13,8 @@ from teamrl.train import Trainer
 
 @pytest.mark.parametrize("training", ["full", "lora"])
 def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config, monkeypatch, training):
-    config = tiny_config(steps=1, algorithm={"logprob_aggregation": "sequence_mean"}, team={"training": training, "lora": {"r": 4}})
+    config = tiny_config(steps=1, algorithm={"logprob_aggregation": "sequence_mean"},
+                         team={"training": training, "lora": {"r": 4}})
     trainer = Trainer(config)
     with torch.no_grad():  # LoRA's B starts at zero, which would leave A without a gradient to compare
         for param in trainer.team[0].parameters:
@@ -72,7 +73,8 @@ def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fast_update, "_in_threads", counting)
-        together = train_agents(team, generations, advantages, pooled.agents.optimizers, pooled.agents.schedulers, config, [1, 2])
+        together = train_agents(team, generations, advantages, pooled.agents.optimizers, pooled.agents.schedulers,
+                                config, [1, 2])
         one_by_one = [fast_update.update_agent(agent, generations[k], advantages[k], alone.agents.optimizers[k],
                                           alone.agents.schedulers[k], config.algorithm, micro_batch_size=2,
                                           max_grad_norm=config.optim.max_grad_norm, parallel_micro_batches=2)

@@ -11,8 +11,14 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, pass_at_k_many,
-                                       summarise_levels, tokens_per_second)
+from teamrl.evaluation.metrics import (
+    accuracy_at_k,
+    normalised_return,
+    pass_at_k,
+    pass_at_k_many,
+    summarise_levels,
+    tokens_per_second,
+)
 
 SMALL = [(n, c, k) for n in range(1, 9) for c in range(n + 1) for k in range(1, n + 1)]
 

@@ -13,8 +13,15 @@ import pytest
 from teamrl.envs import make_env
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.heldout import method_metrics
-from teamrl.evaluation.report import (REPORT_ITEMS, read_history, render_html, render_markdown, table_rows,
-                                      main_columns, write_report)
+from teamrl.evaluation.report import (
+    REPORT_ITEMS,
+    main_columns,
+    read_history,
+    render_html,
+    render_markdown,
+    table_rows,
+    write_report,
+)
 from teamrl.evaluation.runner import EvalResults, Method, MethodResult
 from teamrl.evaluation.schemes import SCHEMES
 from teamrl.rewards.base import RewardResult

@@ -207,7 +207,8 @@ def test_reasons_name_the_rule_and_the_line():
 
 def test_a_custom_helper_name_is_followed():
     main = "def solve(xs):\n    return [helper(x) for x in xs]\n"
-    assert classify_scheme("def helper(x):\n    return x + 1\n", main, "solve", aux_name="helper").scheme == "coordinator"
+    helper = "def helper(x):\n    return x + 1\n"
+    assert classify_scheme(helper, main, "solve", aux_name="helper").scheme == "coordinator"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +218,8 @@ def test_a_custom_helper_name_is_followed():
 @pytest.mark.parametrize(("main", "scheme"), [
     # a handler that only re-raises, swallows or skips is no fallback path
     ("def solve(xs):\n    try:\n        return aux(xs)\n    except ValueError:\n        raise\n", "other"),
-    ("def solve(xs):\n    try:\n        r = aux(xs)\n    except ValueError:\n        return None\n    return r\n", "other"),
+    ("def solve(xs):\n    try:\n        r = aux(xs)\n    except ValueError:\n        return None\n"
+     "    return r\n", "other"),
     # a check on the result that returns a constant is an edge case, not a re-implementation
     ("def solve(xs):\n    r = aux(xs)\n    return r if r else []\n", "decorator"),
     # the same call twice (check, then answer) is not splitting the work

@@ -10,8 +10,13 @@ import torch
 from transformers import DynamicCache
 
 from teamrl.config import SamplingConfig
-from teamrl.models.attention import (GROUPED_SDPA, SharedPrefixCache, attending_through, shares_prefixes,
-                                     use_grouped_attention)
+from teamrl.models.attention import (
+    GROUPED_SDPA,
+    SharedPrefixCache,
+    attending_through,
+    shares_prefixes,
+    use_grouped_attention,
+)
 from teamrl.models.kv_cache import cache_arg, cache_of
 from teamrl.models.tiny import tiny_model, tiny_model_and_tokenizer
 from teamrl.rollout import generate as generate_module
@@ -88,7 +93,8 @@ def test_bfloat16_training_passes_attend_in_float32(monkeypatch):
     real = mask.bool()
     torch.testing.assert_close(logits[real], ref_logits[real], **BF16_TOL)
     for grad, ref_grad in zip(grads, ref_grads):
-        assert (grad - ref_grad).norm() <= 0.02 * ref_grad.norm() + 1e-6, ((grad - ref_grad).norm() / ref_grad.norm()).item()
+        error = (grad - ref_grad).norm()
+        assert error <= 0.02 * ref_grad.norm() + 1e-6, (error / ref_grad.norm()).item()
     with torch.no_grad():
         grouped(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
     assert kernel_dtypes[2:] == [torch.bfloat16] * 2
@@ -140,7 +146,8 @@ def test_shared_prefix_decoding_matches_a_full_forward_pass(step, lengths, dtype
     model.to(dtype)
     prompt_ids, prompt_mask = _left_padded(lengths, width=7, seed=1)
     rows_per_prompt, steps = 3, 4
-    new_tokens = torch.randint(2, 50, (len(lengths) * rows_per_prompt, steps), generator=torch.Generator().manual_seed(2))
+    new_tokens = torch.randint(2, 50, (len(lengths) * rows_per_prompt, steps),
+                               generator=torch.Generator().manual_seed(2))
     logits, cache = _decode_behind_shared_prompts(model, prompt_ids, prompt_mask, rows_per_prompt, new_tokens, step)
 
     full_ids = torch.cat([prompt_ids.repeat_interleave(rows_per_prompt, dim=0), new_tokens], dim=1)

@@ -74,7 +74,7 @@ def test_forward_and_gradients_match_nn_linear(shape, bias, dtype, trains, monke
 def test_onednn_trains_where_the_cpu_has_avx512(monkeypatch):
     try:
         for capability, trains in [("AVX512", True), ("AVX2", False), ("DEFAULT", False)]:
-            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
             onednn.onednn_trains.cache_clear()
             assert onednn.onednn_trains() is trains
     finally:  # later tests see this CPU's answer, not a pretended one

@@ -8,9 +8,20 @@ import shutil
 import pytest
 
 from teamrl.envs.code_extract import extract_code, join_team_program, strip_markdown
-from teamrl.rewards.code import (MAX_REWARD, CodeGrade, analyse_team_code, calls_function, code_reward,
-                                 grade_team_code, helper_reward, ignores_result, individual_code_rewards,
-                                 is_thin_wrapper, main_reward, returns_value)
+from teamrl.rewards.code import (
+    MAX_REWARD,
+    CodeGrade,
+    analyse_team_code,
+    calls_function,
+    code_reward,
+    grade_team_code,
+    helper_reward,
+    ignores_result,
+    individual_code_rewards,
+    is_thin_wrapper,
+    main_reward,
+    returns_value,
+)
 from teamrl.sandbox import ExecutionRecord, SandboxLimits, SandboxPool, TestOutcome
 
 # ----------------------------------------------------------------------------------------------

@@ -8,9 +8,18 @@ import time
 
 import pytest
 
-from teamrl.sandbox import (COMPLETED, ExecutionRecord, Program, SandboxLimits, SandboxPool,
-                            SandboxUnavailableError, find_bubblewrap, humaneval_tests, run_program)
-from teamrl.sandbox import _harness
+from teamrl.sandbox import (
+    COMPLETED,
+    ExecutionRecord,
+    Program,
+    SandboxLimits,
+    SandboxPool,
+    SandboxUnavailableError,
+    _harness,
+    find_bubblewrap,
+    humaneval_tests,
+    run_program,
+)
 from teamrl.sandbox import bubblewrap as bubblewrap_module
 from teamrl.sandbox.asserts import COMPARE_MARKER, rewrite_asserts
 

@@ -142,7 +142,8 @@ def test_program_objects_are_usable_by_reference(pool):
 
 def test_exceptions_keep_their_type_line_and_errno(pool):
     code = "def f(x):\n    if x:\n        raise ValueError('bad x')\n    open('/nope')\n"
-    tests = ["try:\n    f(1)\nexcept ValueError as error:\n    assert str(error) == 'bad x'\nelse:\n    raise AssertionError",
+    tests = ["try:\n    f(1)\nexcept ValueError as error:\n    assert str(error) == 'bad x'\n"
+             "else:\n    raise AssertionError",
              "f(1)", "f(0)"]
     caught, raised, os_error = pool.run([Program(code, tests)])[0].tests
     assert caught.passed
@@ -169,8 +170,9 @@ def find_expected():
     for frame in sys._current_frames().values():
         while frame is not None:
             for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
-                if isinstance(value, (str, bytes)) and _search_bytes(value if isinstance(value, bytes) else value.encode()):
-                    return _search_bytes(value if isinstance(value, bytes) else value.encode())
+                data = value if isinstance(value, bytes) else value.encode() if isinstance(value, str) else None
+                if data is not None and _search_bytes(data):
+                    return _search_bytes(data)
             frame = frame.f_back
     import ctypes
     ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: make our own /proc/self/mem ours to read

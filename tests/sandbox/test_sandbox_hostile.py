@@ -101,7 +101,8 @@ def _attempts(attempts: list[str]) -> Program:
     """A program whose ``attempt(i)`` tries the i-th hostile statement and says whether it worked;
     each test asserts that one did not."""
     branches = "".join(f"    if i == {i}:\n        {attempt}\n" for i, attempt in enumerate(attempts))
-    code = ("import os, socket\ndef attempt(i):\n    try:\n" + "\n".join("    " + line for line in branches.splitlines())
+    code = ("import os, socket\ndef attempt(i):\n    try:\n"
+            + "\n".join("    " + line for line in branches.splitlines())
             + "\n    except OSError:\n        return 'blocked'\n    return 'did it'\n")
     return Program(code, [f"assert attempt({i}) == 'blocked'" for i in range(len(attempts))])
 

@@ -106,7 +106,8 @@ ISSUE_CHEATS = {
     "forge the result pipe and exit": (
         "def aux(*args):\n    return 0\n",
         "import os\ndef {entry}(*args):\n    aux(*args)\n    for fd in range(3, 256):\n        try:\n"
-        "            os.write(fd, b'{\"passed\": true}')\n        except OSError:\n            pass\n    os._exit(0)\n"),
+        "            os.write(fd, b'{\"passed\": true}')\n        except OSError:\n            pass\n"
+        "    os._exit(0)\n"),
     "object equal to everything": (
         "class Anything:\n    def __eq__(self, other):\n        return True\n    def __bool__(self):\n"
         "        return True\ndef aux(*args):\n    return Anything()\n",

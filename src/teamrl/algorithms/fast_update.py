@@ -109,7 +109,8 @@ def update_agents(
         """Agent k's trained weights, then its shared prompt opening's keys and values (when it has one)."""
         return params[k] + (stems[k].leaves() if stems[k] else [])
 
-    def micro_batch_loss(job: tuple[int, int]) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
+    def micro_batch_loss(job: tuple[int, int],
+                         ) -> tuple[float, dict[str, float], tuple[torch.Tensor | None, ...] | None]:
         """Micro-batch ``job`` = (agent, index)'s loss and stats; its gradient added to ``.grad`` (one thread)
         or returned."""
         k, b = job
@@ -209,8 +210,8 @@ def _parallel_micro_batches(model: torch.nn.Module, params: Sequence[torch.nn.Pa
 
     Why threads on CPU: with its threads split between two micro-batches, each of torch's operations
     runs on fewer cores, and most of an update's operations (element-wise passes, norms, attention, the
-    small LoRA matmuls) scale poorly across cores: an update of SmolLM2-135M's LoRA agents on 2 CPU
-    cores took ~15% less time (docs/performance.md). The cost is a second micro-batch's activations.
+    small LoRA matmuls) scale poorly across cores (docs/performance.md#parallel-micro-batches). The cost
+    is a second micro-batch's activations.
     """
     if requested <= 1 or num_batches <= 1:
         return 1
@@ -237,8 +238,8 @@ def _in_threads(fn: Callable, items: Sequence, threads: int) -> Iterator:
     threads between them; results come in the order of ``items``.
 
     This thread takes part, rather than waiting on a pool: each thread that allocates gets its own
-    malloc arena, whose freed blocks stay in the process, and a third arena added ~0.5 GB to the peak
-    memory of an update on 2 CPU cores (SmolLM2-135M LoRA agents, 4-row micro-batches)."""
+    malloc arena, whose freed blocks stay in the process, and a third arena raises the update's peak
+    memory (docs/performance.md, "Eighth round")."""
     if threads <= 1:
         yield from map(fn, items)
         return

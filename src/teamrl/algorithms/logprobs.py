@@ -106,8 +106,8 @@ class _ChosenLogProbs(torch.autograd.Function):
     The (tokens x vocabulary) log-softmax is never held, and the backward writes
     ``(one_hot - softmax) * grad / temperature`` straight into the logits' gradient. Autograd's
     log_softmax + gather would allocate the log-softmax, a zero-filled gradient for the gather and the
-    log-softmax's own gradient: three passes over ~50 MB per 4 x 64 completion tokens on a 49k
-    vocabulary, each slower on 2 CPU cores than the whole of this.
+    log-softmax's own gradient: three passes over a (tokens x vocabulary) tensor, each slower than the
+    whole of this (docs/performance.md, "Fourth round").
     """
 
     #: About 4 MB of float32 logits at a time, so that each block's passes stay in cache.

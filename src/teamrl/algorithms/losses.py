@@ -76,7 +76,8 @@ def policy_loss(
         normalizer: :func:`loss_normalizer` of the whole update this micro-batch belongs to.
     """
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"algorithm.logprob_aggregation: unknown {aggregation!r}; registered: {', '.join(AGGREGATIONS)}")
+        raise ValueError(f"algorithm.logprob_aggregation: unknown {aggregation!r}; "
+                         f"registered: {', '.join(AGGREGATIONS)}")
     keep = mask.bool()
     mask = mask.to(logprobs.dtype)
     # Untrained positions are replaced (not multiplied) by zeros before exp(): whatever they hold,

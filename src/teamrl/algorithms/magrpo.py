@@ -135,7 +135,8 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
     return tree
 
 
-def advantages(tree: Rollout, num_agents: int, config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+def advantages(tree: Rollout, num_agents: int,
+               config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per agent and turn, the (E*G,) advantage of each of its completions; and the returns of each turn."""
     returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount,
                            [t.terminated for t in tree.turns], config.num_turns)
@@ -163,7 +164,8 @@ def update_agent(
     turn (``generations[t]``, with their advantages ``advantages[t]``), ``micro_batch_size`` rows per
     forward pass. :mod:`teamrl.algorithms.fast_update` computes the same, faster (``optim.fast_update``)."""
     batches = [(gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
-               for gen, adv in zip(generations, advantages) for start, stop in micro_batches(len(adv), micro_batch_size)]
+               for gen, adv in zip(generations, advantages)
+               for start, stop in micro_batches(len(adv), micro_batch_size)]
     # A zero advantage gives exactly zero gradient: without a KL term, its forward pass is skipped.
     batches = [(gen, adv) for gen, adv in batches if config.kl_coef > 0 or adv.any()]
     normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
@@ -246,7 +248,8 @@ class UpdateStats:
         return dict(self.totals)
 
 
-def rollout_metrics(tree: Rollout, returns: list[torch.Tensor], agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
+def rollout_metrics(tree: Rollout, returns: list[torch.Tensor],
+                    agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
     """Per-turn joint reward and return statistics (returns as :func:`advantages` computed them, early-terminated
     joint actions valued as absorbing states), how many joint actions early termination stopped, and
     advantage statistics, for logging."""

@@ -1,8 +1,8 @@
 """Environments: the Dec-POMDP interface and the built-in tasks."""
 
+from teamrl.envs import coding as _coding  # noqa: F401  (registers 'humaneval', 'coophumaneval', 'mbpp')
+from teamrl.envs import writing as _writing  # noqa: F401  (registers 'tldr' and 'arxiv')
 from teamrl.envs.base import ENVIRONMENTS, Environment, Step, make_env, register_env
 from teamrl.envs.digit_sum import DigitSumGame
-from teamrl.envs import writing as _writing  # noqa: F401  (registers 'tldr' and 'arxiv')
-from teamrl.envs import coding as _coding  # noqa: F401  (registers 'humaneval', 'coophumaneval', 'mbpp')
 
 __all__ = ["ENVIRONMENTS", "DigitSumGame", "Environment", "Step", "make_env", "register_env"]

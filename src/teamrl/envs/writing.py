@@ -37,8 +37,13 @@ from teamrl import data
 from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import TRANSITION_CATEGORIES
-from teamrl.rewards.writing import (WRITING_MAX_REWARD, arxiv_individual_rewards, arxiv_reward,
-                                    tldr_individual_rewards, tldr_reward)
+from teamrl.rewards.writing import (
+    WRITING_MAX_REWARD,
+    arxiv_individual_rewards,
+    arxiv_reward,
+    tldr_individual_rewards,
+    tldr_reward,
+)
 
 #: Marks where :func:`truncate` cut a text.
 ELLIPSIS = " ..."

@@ -19,8 +19,7 @@ import torch
 from teamrl.envs.base import Environment, Item
 from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
 from teamrl.evaluation.baselines import Episode, MethodOutput
-from teamrl.evaluation.metrics import (accuracy_at_k, normalised_return, pass_at_k, summarise_levels,
-                                       tokens_per_second)
+from teamrl.evaluation.metrics import accuracy_at_k, normalised_return, pass_at_k, summarise_levels, tokens_per_second
 from teamrl.evaluation.schemes import classify_scheme, scheme_distribution
 from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import derive_seed

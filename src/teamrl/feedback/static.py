@@ -364,8 +364,9 @@ def find_undefined_names(source: str, known_names: Iterable[str] = ()) -> list[U
     ``known_names`` are treated as module globals (e.g. the other agent's functions).
 
     There is no flow analysis, so code that binds a name on some path is never reported for it: a
-    name bound anywhere in a visible scope counts as defined, even where the read comes first. After ``from m import *`` no module-level name is reported. Names made at run time
-    (``globals()[...] = ``, ``exec``) are not seen. Findings are sorted by position.
+    name bound anywhere in a visible scope counts as defined, even where the read comes first. After
+    ``from m import *`` no module-level name is reported. Names made at run time (``globals()[...] = ``,
+    ``exec``) are not seen. Findings are sorted by position.
     Raises ``SyntaxError`` when ``source`` does not parse.
     """
     with warnings.catch_warnings():

@@ -184,7 +184,8 @@ class SharedPrefixCache(Cache):
         scale = head_dim ** -0.5 if scaling is None else scaling
         by_prompt = (query.reshape(prompts, samples, kv_heads, groups, head_dim).transpose(1, 2)
                      .reshape(prompts * kv_heads, samples * groups, head_dim))
-        bias = self.prompt_bias.expand(prompts, kv_heads, 1, prompt_length).reshape(prompts * kv_heads, 1, prompt_length)
+        bias = self.prompt_bias.expand(prompts, kv_heads, 1, prompt_length)
+        bias = bias.reshape(prompts * kv_heads, 1, prompt_length)
         prompt_scores = torch.baddbmm(bias, by_prompt, layer.prompt_keys.reshape(-1, prompt_length, head_dim).mT,
                                       alpha=scale)
         prompt_scores = (prompt_scores.view(prompts, kv_heads, samples, groups, prompt_length).transpose(1, 2)

@@ -22,18 +22,17 @@ import torch
 class RowAdapters:
     """Runs every row of a batch through its own LoRA adapter of one shared base.
 
-    PEFT's mixed-adapter batches (``adapter_names=``) gather each adapter's rows, run its two small
-    matmuls per layer on them and scatter the results back: with two agents, a decoding step of 16 rows
-    took 30% longer than through one adapter (260 vs 200 ms, SmolLM2-135M, 2 CPU cores). Here each layer's
-    adapters are stacked instead, A matrices one above the other (r1 + r2 + ... rows) and scaled B
-    matrices side by side, and the layer adds ``((x @ A.T) * mask) @ B.T``, where ``mask`` keeps each
-    row's own adapter's block of the rank dimension: the same sum as each row through its own adapter,
-    in two matmuls for the whole team. A team's rows, which come as equal consecutive blocks per adapter,
-    take :func:`_add_low_rank_grouped` instead: per block, its own adapter only. While routing, each LoRA layer's forward is replaced by its base
-    layer plus the stacked update (not PEFT's forward with the adapters disabled and a hook adding it:
-    PEFT's ``disable_adapter`` alone took ~80 ms per call, checking every layer's status). Adapters this
-    does not cover (DoRA and other variants, non-linear layers) keep PEFT's routing. Built with no model,
-    it routes nothing (the model runs as it is).
+    PEFT's mixed-adapter batches (``adapter_names=``) gather each adapter's rows, run its two small matmuls
+    per layer on them and scatter the results back, which makes a team's decoding step markedly slower than
+    one adapter's. Here each layer's adapters are stacked instead, A matrices one above the other (r1 + r2 +
+    ... rows) and scaled B matrices side by side, and the layer adds ``((x @ A.T) * mask) @ B.T``, where
+    ``mask`` keeps each row's own adapter's block of the rank dimension: the same sum as each row through its
+    own adapter, in two matmuls for the whole team. A team's rows, which come as equal consecutive blocks per
+    adapter, take :func:`_add_low_rank_grouped` instead: per block, its own adapter only. While routing, each
+    LoRA layer's forward is replaced by its base layer plus the stacked update (not PEFT's forward with the
+    adapters disabled and a hook adding it: ``disable_adapter`` checks every layer's status per call).
+    Measurements: docs/performance.md, "Eighth round". Adapters this does not cover (DoRA and other variants,
+    non-linear layers) keep PEFT's routing. Built with no model, it routes nothing (the model runs as it is).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, names: Sequence[str] = (),
@@ -123,8 +122,8 @@ def _add_low_rank(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
                   multiplier: torch.Tensor | float) -> torch.Tensor:
     """``output + ((x @ A.T) * multiplier) @ B.T``: the multiplier scales the rank-r product and the sum is
     fused into the second matmul (addmm), where PEFT's ``base(x) + B(A(x)) * scaling`` makes two more
-    passes over the output-sized tensor (and one more in the backward): on 2 CPU cores those
-    element-wise passes over (tokens x 1536) outputs cost more than the adapter's matmuls themselves."""
+    passes over the output-sized tensor (and one more in the backward), which on CPU cost more than the
+    adapter's matmuls themselves (docs/performance.md, "Fourth round")."""
     low = (x.to(lora_a.dtype) @ lora_a.T) * multiplier
     if output.dtype != low.dtype:
         return output + (low @ lora_b.T).to(output.dtype)
@@ -143,8 +142,7 @@ def _add_low_rank_grouped(output: torch.Tensor, x: torch.Tensor, a_blocks: torch
                           b_blocks: torch.Tensor) -> torch.Tensor:
     """``output + x_k @ A_k @ B_k`` for k equal, consecutive blocks of rows, block k through adapter k (the
     B blocks scaled): two batched matmuls, where the masked form (:func:`_add_low_rank`) runs every row
-    through every adapter and masks. A 16-row decoding step's update of one layer took 12-16 against
-    30-48 us, a prefill's of 4 x 180 tokens 170-290 against 310-700 us (SmolLM2-135M, 2 CPU cores)."""
+    through every adapter and masks: about half the time (docs/performance.md, "Eighth round")."""
     blocks = a_blocks.shape[0]
     low = torch.bmm(x.reshape(blocks, -1, x.shape[-1]).to(a_blocks.dtype), a_blocks)
     if output.dtype != low.dtype or torch.is_grad_enabled() or not output.is_contiguous():
@@ -175,9 +173,9 @@ def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args,
 
     float32 adapters on a bfloat16 base run in bfloat16, as autocast runs them: the casts of the small A
     and B are differentiable (the float32 weights get the gradients), where casting every layer's input to
-    float32 and its output back cost ~0.8 s of a ~8 s update (SmolLM2-135M, 2 CPU cores), and bfloat16
-    GEMMs of a few hundred rows by rank 16 are 1.4-3x faster. (Decoding, 16 rows, keeps float32: there
-    bfloat16's call overhead makes those GEMMs slower.)"""
+    float32 and its output back costs a tenth of an update, and bfloat16 GEMMs of a few hundred rows by
+    the rank are faster (docs/performance.md, "Sixth round"). Decoding keeps float32: there bfloat16's
+    call overhead makes those small GEMMs slower."""
     name = getattr(_this_thread, "adapter", None) or name
     return _add_low_rank(layer.base_layer(x, *args, **kwargs), layer.lora_dropout[name](x),
                          layer.lora_A[name].weight.to(x.dtype), layer.lora_B[name].weight.to(x.dtype),

@@ -66,7 +66,8 @@ def tiny_model(
     return model
 
 
-def tiny_model_and_tokenizer(words: Sequence[str], *, seed: int = 0, **sizes) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+def tiny_model_and_tokenizer(words: Sequence[str], *, seed: int = 0,
+                             **sizes) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """A tiny model and its tokenizer over ``words``."""
     tokenizer = tiny_tokenizer(words)
     model = tiny_model(len(tokenizer), seed=seed, pad_token_id=tokenizer.pad_token_id,

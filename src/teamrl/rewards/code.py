@@ -65,8 +65,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from teamrl.envs.code_extract import Definition, ExtractedCode, extract_code, join_team_program
 from teamrl.rewards.base import RewardResult

@@ -21,8 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from transformers import (Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase, StaticCache,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    Cache,
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedTokenizerBase,
+    StaticCache,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from teamrl.models.attention import SharedPrefixCache, attending_through, shares_prefixes
@@ -185,9 +193,9 @@ def _shared_prefill(agent: Agent, prompt_ids: torch.Tensor, prompt_mask: torch.T
 def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows: RowAdapters,
              adapter_names: list[str] | None) -> Cache:
     """The keys and values of left-padded prompts ``ids`` (one row each, laid out as ``ids``), each through its
-    adapter. Where an agent's prompts share an opening of :data:`~teamrl.models.stem.MIN_STEM_TOKENS` or more (the task's text
-    in every turn-2 prompt: ~150 of ~300 tokens on the side-by-side benchmark), the opening runs once and
-    each prompt only after it (:class:`~teamrl.models.stem.PromptStem`); else all run in one pass."""
+    adapter. Where an agent's prompts share an opening of :data:`~teamrl.models.stem.MIN_STEM_TOKENS` or
+    more (the task's text in every turn-2 prompt, about half of it), the opening runs once and each prompt
+    only after it (:class:`~teamrl.models.stem.PromptStem`); else all run in one pass."""
     names = adapter_names or [None] * ids.shape[0]
     groups: dict[str | None, list[int]] = {}
     for row, name in enumerate(names):
@@ -258,8 +266,8 @@ def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) 
     windows, states).
 
     A ``DynamicCache`` concatenates every layer's keys and values with the new position at every decoding
-    step, copying the whole cache each time; a static one writes the new position in place. With 16 rows
-    of ~150-token prompts on SmolLM2-135M that is ~20 ms of a ~150 ms decoding step, on 2 CPU cores.
+    step, copying the whole cache each time; a static one writes the new position in place (about a
+    seventh of a decoding step: docs/performance.md, "Third round").
     """
     static = StaticCache(config=config, max_cache_len=max_length)
     if (len(static.layers) != len(cache.layers) or not all(type(layer) is DynamicLayer for layer in cache.layers)
@@ -327,8 +335,8 @@ class _Sampler(LogitsProcessor):
     its output, which is 0 at the drawn token and -inf elsewhere.
 
     transformers' own sampling (``torch.multinomial``) draws an exponential variate per row *and
-    vocabulary entry* at every step: 16 rows x 49k entries took 21 ms a step here, against 2 ms for
-    inverse-CDF sampling (one uniform per row, located in the cumulative probabilities). The log-prob
+    vocabulary entry* at every step, about ten times the cost of inverse-CDF sampling (one uniform per
+    row, located in the cumulative probabilities; docs/performance.md, "Second round"). The log-prob
     recorded is under the temperature-scaled policy, before top-k/top-p (as ``token_logprobs`` computes it
     in training), holding one step of log-probs at a time: a step's token is only known at the next call
     (or from the final sequences). ``top_k``/``top_p`` filter with transformers' own warpers.

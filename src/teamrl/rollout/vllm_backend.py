@@ -43,8 +43,7 @@ import torch
 
 from teamrl.backend import LocalBackend
 from teamrl.config import RolloutConfig, TrainConfig
-from teamrl.rollout.generate import (Generation, completion_mask, decode_completions, derive_seed, encode_prompts,
-                                    seeded)
+from teamrl.rollout.generate import Generation, completion_mask, decode_completions, derive_seed, encode_prompts, seeded
 from teamrl.team import Agent, Team
 
 # vLLM accepts only these as max_lora_rank.

@@ -120,7 +120,7 @@ def decode(data, on_handle, on_module=None):
     except ProtocolError:
         raise
     except (TypeError, ValueError, RecursionError, MemoryError) as error:
-        raise ProtocolError("malformed value (%s)" % type(error).__name__) from None
+        raise ProtocolError(f"malformed value ({type(error).__name__})") from None
 
 
 def _decode(data, on_handle, on_module):
@@ -149,7 +149,7 @@ def _decode(data, on_handle, on_module):
         return on_handle(body)
     if tag == "m" and on_module is not None and isinstance(body, str):
         return on_module(body)
-    raise ProtocolError("unexpected tag %r" % tag[:20])
+    raise ProtocolError(f"unexpected tag {tag[:20]!r}")
 
 
 def _send_frame(fd, message):
@@ -174,20 +174,20 @@ def _read_exactly(fd, size):
 def _read_frame(fd):
     size = int.from_bytes(_read_exactly(fd, _FRAME_HEADER_BYTES), "big")
     if size > _MAX_FRAME_BYTES:
-        raise ProtocolError("a message of %d bytes (the most is %d)" % (size, _MAX_FRAME_BYTES))
+        raise ProtocolError(f"a message of {size} bytes (the most is {_MAX_FRAME_BYTES})")
     try:
         return json.loads(_read_exactly(fd, size))
     except (ValueError, UnicodeDecodeError, RecursionError, MemoryError) as error:
-        raise ProtocolError("not JSON (%s)" % type(error).__name__) from None
+        raise ProtocolError(f"not JSON ({type(error).__name__})") from None
 
 
 def _safe_repr(value, limit):
     try:
         text = repr(value)
     except BaseException as error:  # a hostile __repr__ must not hide the failure itself
-        text = "<repr failed: %s>" % type(error).__name__
+        text = f"<repr failed: {type(error).__name__}>"
     if not isinstance(text, str):
-        text = "<repr returned %s>" % type(text).__name__
+        text = f"<repr returned {type(text).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -231,7 +231,7 @@ class RemoteObject:
 
     def __call__(self, *args, **kwargs):
         if not self._callable:
-            raise TypeError("'%s' object is not callable" % self._type)
+            raise TypeError(f"'{self._type}' object is not callable")
         return self._channel.request("call", self._id, args=list(args), kwargs=kwargs)
 
     def __getattr__(self, name):
@@ -240,14 +240,14 @@ class RemoteObject:
         return self._channel.request("getattr", self._id, name=name)
 
     def __setattr__(self, name, value):
-        raise TypeError("a test cannot set attributes of the program's %s object" % self._type)
+        raise TypeError(f"a test cannot set attributes of the program's {self._type} object")
 
     def __repr__(self):
         return self._repr
 
     def __bool__(self):
-        raise TypeError("the program returned a %s object, which has no truth value outside the program: "
-                        "return plain data (numbers, strings, lists, tuples, dicts, sets, None)" % self._type)
+        raise TypeError(f"the program returned a {self._type} object, which has no truth value outside the program: "
+                        "return plain data (numbers, strings, lists, tuples, dicts, sets, None)")
 
     def __eq__(self, other):
         return isinstance(other, RemoteObject) and other._id == self._id
@@ -270,8 +270,8 @@ class _Channel:
     def _reference(self, value):
         if isinstance(value, RemoteObject):
             return {"h": value._id}
-        raise TypeError("a %s cannot be passed to the program: only plain data and objects the program "
-                        "returned can" % type(value).__name__)
+        raise TypeError(f"a {type(value).__name__} cannot be passed to the program: only plain data and "
+                        "objects the program returned can")
 
     def _handle(self, body):
         return RemoteObject(self, body)
@@ -376,7 +376,7 @@ def describe_failure(error, phase, limit):
         return {"passed": False, "program_ended": True}
     if isinstance(error, ProtocolError):
         return {"passed": False, "error_type": "NoResult", "phase": phase,
-                "message": "the program's answer was not a valid reply: %s" % error}
+                "message": f"the program's answer was not a valid reply: {error}"}
     report = getattr(error, "_teamrl_report", None)
     outcome = {"passed": False, "error_type": type(error).__name__, "phase": phase}
     args = getattr(error, "args", ())
@@ -385,9 +385,9 @@ def describe_failure(error, phase, limit):
         left, right = _safe_repr(left, limit), _safe_repr(right, limit)
         outcome["actual"], outcome["expected"] = (left, right) if left_is_actual else (right, left)
         if operator == "==":
-            detail = "expected %s, got %s" % (outcome["expected"], outcome["actual"])
+            detail = "expected {}, got {}".format(outcome["expected"], outcome["actual"])
         else:
-            detail = "%s %s %s is false" % (left, operator, right)
+            detail = f"{left} {operator} {right} is false"
         outcome["message"] = (_safe_repr(message, limit) + ": " + detail) if message is not None else detail
     elif report is not None:
         outcome["error_type"], outcome["message"] = report["type"], report["message"]
@@ -727,7 +727,7 @@ def _living_processes(keep):
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != 1 and int(entry) not in keep:
             try:
-                with open("/proc/%s/stat" % entry) as stat:
+                with open(f"/proc/{entry}/stat") as stat:
                     state = stat.read().rsplit(")", 1)[1].split()[0]
             except (OSError, IndexError):
                 continue
@@ -756,13 +756,13 @@ def _signal_name(number):
     try:
         return signal.Signals(number).name
     except ValueError:
-        return "SIG%d" % number
+        return f"SIG{number}"
 
 
 def _timed_out(limits):
     return {"passed": False, "error_type": "Timeout", "timed_out": True, "limit": "wall_time",
-            "message": "test did not finish in time (limits: %.1f s per test, %.1f s per program)"
-                       % (limits["test_timeout_s"], limits["program_timeout_s"])}
+            "message": "test did not finish in time (limits: {:.1f} s per test, {:.1f} s per program)".format(
+                limits["test_timeout_s"], limits["program_timeout_s"])}
 
 
 def _program_ended(status, cpu, limits):
@@ -772,15 +772,15 @@ def _program_ended(status, cpu, limits):
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
         outcome = {"passed": False, "error_type": "Killed", "signal": _signal_name(number),
-                   "message": "program process killed by %s" % _signal_name(number)}
+                   "message": f"program process killed by {_signal_name(number)}"}
         if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= limits["cpu_time_s"]):
             outcome["limit"] = "cpu_time"
-            outcome["message"] += " (CPU time limit of %s s)" % limits["cpu_time_s"]
+            outcome["message"] += " (CPU time limit of {} s)".format(limits["cpu_time_s"])
         elif number == signal.SIGXFSZ:
             outcome["limit"] = "file_size"
         return outcome
     return {"passed": False, "error_type": "NoResult",
-            "message": "program process exited with status %d without answering" % os.WEXITSTATUS(status)}
+            "message": f"program process exited with status {os.WEXITSTATUS(status)} without answering"}
 
 
 def run_one(server, test, setup, limits, deadline, own_pid_namespace):
@@ -888,7 +888,7 @@ def _drop_privileges(uid, gid, sandboxed):
     with open("/proc/self/status") as status:
         effective = [line.split()[1] for line in status if line.startswith("CapEff:")]
     if effective and int(effective[0], 16) != 0:
-        raise SystemExit("teamrl sandbox harness: refusing to run with capabilities %s" % effective[0])
+        raise SystemExit(f"teamrl sandbox harness: refusing to run with capabilities {effective[0]}")
 
 
 def _make_undumpable():
@@ -901,7 +901,7 @@ def _make_undumpable():
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise SystemExit("teamrl sandbox harness: prctl(PR_SET_DUMPABLE) failed: errno %d" % ctypes.get_errno())
+        raise SystemExit(f"teamrl sandbox harness: prctl(PR_SET_DUMPABLE) failed: errno {ctypes.get_errno()}")
 
 
 def _emit(fd, obj):
@@ -933,7 +933,7 @@ def main(argv):
     limits = payload["limits"]
     sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)  # started with -S
     setup = compile(payload["setup"], "<setup>", "exec")
-    tests = [compile(test, "<test %d>" % index, "exec") for index, test in enumerate(payload["tests"])]
+    tests = [compile(test, f"<test {index}>", "exec") for index, test in enumerate(payload["tests"])]
     _preload(payload["setup"] + "\n" + "\n".join(payload["tests"]))
     server.start(payload["code"], limits, payload["sys_path"])
     del payload
@@ -949,8 +949,8 @@ def main(argv):
                                "no program process could be started for this test")
         elif time.monotonic() >= program_deadline:
             outcome = {"passed": False, "error_type": "Timeout", "timed_out": True, "limit": "wall_time",
-                       "message": "program time budget of %.1f s used up before this test ran"
-                                  % limits["program_timeout_s"], "duration_s": 0.0}
+                       "message": "program time budget of {:.1f} s used up before this test ran".format(
+                           limits["program_timeout_s"]), "duration_s": 0.0}
         else:
             deadline = min(time.monotonic() + limits["test_timeout_s"], program_deadline)
             try:

@@ -152,7 +152,7 @@ def _version(path: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.groups() if part is not None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_bubblewrap() -> Bubblewrap:
     """Locate bubblewrap and check that it can actually start a sandbox here (cached).
 

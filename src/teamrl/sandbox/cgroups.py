@@ -221,7 +221,7 @@ def _v2_memory_delegated(directory: Path) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_cgroups() -> CgroupFactory | None:
     """The factory of per-sandbox memory cgroups, or None where none can be made here (cached)."""
     try:

@@ -18,14 +18,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from teamrl.sandbox.asserts import rewrite_asserts
-from teamrl.sandbox.bubblewrap import (_SYSTEM_DIRS, SCRATCH_DIR, Bubblewrap, SandboxUnavailableError, _is_within,
-                                       bwrap_command, find_bubblewrap, python_roots, site_package_dirs)
+from teamrl.sandbox.bubblewrap import (
+    _SYSTEM_DIRS,
+    SCRATCH_DIR,
+    Bubblewrap,
+    SandboxUnavailableError,
+    _is_within,
+    bwrap_command,
+    find_bubblewrap,
+    python_roots,
+    site_package_dirs,
+)
 from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
 from teamrl.sandbox.limits import SandboxLimits
 from teamrl.sandbox.program import Program
@@ -76,7 +85,7 @@ def _resolve_backend(allow_unsandboxed: bool) -> _Backend:
     return _Backend(bwrap, roots, _hidden_dirs(roots), _seccomp_filter(bwrap), cgroups)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _memory_cgroups() -> CgroupFactory | None:
     factory = memory_cgroups()
     if factory is None:
@@ -204,7 +213,7 @@ def _not_run(index: int, status: str) -> TestOutcome:
                        timed_out=status == TIMED_OUT, limit="wall_time" if status == TIMED_OUT else None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_harness() -> str:
     """The driver compiled once per process into a private directory (a sandbox would otherwise compile its
     ~40 kB of source at every start), removed at exit."""

@@ -27,7 +27,7 @@ class SeccompUnavailableError(RuntimeError):
     """libseccomp (or its Python binding) is missing."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def no_user_namespaces_filter() -> bytes:
     """The filter as a BPF program bubblewrap can load.
 
