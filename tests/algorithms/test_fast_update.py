@@ -47,17 +47,26 @@ def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config,
         assert parallel.stride() == repeat.stride() == one_at_a_time.stride()
 
 
-def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update(tiny_config):
-    config = tiny_config(steps=1, items_per_step=1, team={"training": "lora", "lora": {"r": 4}},
-                         algorithm={"num_generations": 2, "num_turns": 2}, optim={"micro_batch_size": 2})
-    trainers = [Trainer(config), Trainer(config)]
-    for trainer in trainers:
+def _two_identical_lora_teams(config) -> tuple[Trainer, Trainer]:
+    """Two trainers whose LoRA teams hold the same weights, every one non-zero (LoRA's B starts at zero,
+    which would leave A without a gradient to compare)."""
+    trainers = []
+    for _ in range(2):
+        trainer = Trainer(config)
+        trainer.close()  # one run directory for both: neither trains through it
+        trainers.append(trainer)
         torch.manual_seed(0)
-        with torch.no_grad():  # LoRA's B starts at zero: give every weight a gradient to compare
+        with torch.no_grad():
             for agent in trainer.team:
                 for param in agent.parameters:
                     param.add_(torch.randn_like(param) * 0.05)
-    pooled, alone = trainers
+    return trainers[0], trainers[1]
+
+
+def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update(tiny_config):
+    config = tiny_config(steps=1, items_per_step=1, team={"training": "lora", "lora": {"r": 4}},
+                         algorithm={"num_generations": 2, "num_turns": 2}, optim={"micro_batch_size": 2})
+    pooled, alone = _two_identical_lora_teams(config)
     team = list(pooled.team)
     assert team[0].model is team[1].model and fast_update.update_pools(team, 2) == [[0, 1]]
     tree = magrpo.rollout(magrpo.team_sampler(pooled.team), pooled.env, pooled.items[:1], config.algorithm)
@@ -104,14 +113,7 @@ def test_the_fast_update_computes_the_plain_update(tiny_config, monkeypatch, kl_
     config = tiny_config(steps=1, items_per_step=2, team={"training": "lora", "lora": {"r": 4}},
                          algorithm={"num_generations": 2, "num_turns": 2, "kl_coef": kl_coef,
                                     "num_iterations": num_iterations})
-    trainers = [Trainer(config), Trainer(config)]
-    for trainer in trainers:
-        torch.manual_seed(0)
-        with torch.no_grad():  # LoRA's B starts at zero: give every weight a gradient to compare
-            for agent in trainer.team:
-                for param in agent.parameters:
-                    param.add_(torch.randn_like(param) * 0.05)
-    fast, plain = trainers
+    fast, plain = _two_identical_lora_teams(config)
     before = [p.detach().clone() for p in plain.team[0].parameters]
     tree = magrpo.rollout(magrpo.team_sampler(fast.team), fast.env, fast.items[:2], config.algorithm)
     advantages, _ = magrpo.advantages(tree, 2, config.algorithm)
@@ -119,7 +121,7 @@ def test_the_fast_update_computes_the_plain_update(tiny_config, monkeypatch, kl_
     assert fast_update.update_pools(list(fast.team), config.optim.parallel_micro_batches) == [[0, 1]]
     # SGD: a step proportional to the gradient (Adam's first steps are about lr * sign(gradient), which
     # turns float rounding on a near-zero gradient into a full-size difference).
-    optimizers = {id(t): [torch.optim.SGD(agent.parameters, lr=0.5) for agent in t.team] for t in trainers}
+    optimizers = {id(t): [torch.optim.SGD(agent.parameters, lr=0.5) for agent in t.team] for t in (fast, plain)}
     schedulers = {key: [torch.optim.lr_scheduler.LambdaLR(o, lambda _: 1.0) for o in opts]
                   for key, opts in optimizers.items()}
     fast_stats = train_agents(list(fast.team), generations, advantages, optimizers[id(fast)],
