@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from teamrl.algorithms import magrpo
 from teamrl.envs import Step, make_env
 from teamrl.envs.code_extract import extract_code
 from teamrl.sandbox import SandboxUnavailableError
@@ -362,18 +361,18 @@ def test_two_turn_training_on_the_tiny_model_logs_the_feedback(tiny_config):
 def test_training_keeps_going_after_a_step_of_hostile_generations(tiny_config, monkeypatch):
     trainer = Trainer(_tiny_coding_config(tiny_config))
     entry_point = trainer.items[0]["entry_point"]
-    real_generate_team = magrpo.generate_team
+    real_sample = trainer.agents.sample
 
-    def hostile_generate_team(team, prompts, num_samples, **kwargs):
-        generations = real_generate_team(team, prompts, num_samples, **kwargs)
+    def hostile_sample(observations, num_samples, seed):
+        generations = real_sample(observations, num_samples, seed)
         main = f"def {entry_point}(text):\n    return aux(text, 0)\n"
-        for agent, generation in zip(team, generations):
-            code = HOSTILE_AUX["fork bomb"] if agent.name == "first" else main
+        for name, generation in zip(trainer.agent_names, generations):
+            code = HOSTILE_AUX["fork bomb"] if name == "first" else main
             generation.texts = [code] * len(generation.texts)
         return generations
 
     with monkeypatch.context() as patch:
-        patch.setattr(magrpo, "generate_team", hostile_generate_team)
+        patch.setattr(trainer.agents, "sample", hostile_sample)
         hostile = trainer.train_step()
     # main defined (0.6) + parses (0.5), no test passes, aux returns nothing: in both turns
     assert hostile["reward/turn1/mean"] == pytest.approx(1.1) and hostile["reward/turn2/mean"] == pytest.approx(1.1)
