@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -67,6 +69,16 @@ def lora_team(tiny_config):
         return trainer.team
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    # teamrl.cli.main, called in-process by some tests, sets the libraries' quiet settings in os.environ;
+    # they must not reach later tests' subprocesses (teamrl --verbose would find them set).
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)
