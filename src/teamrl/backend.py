@@ -82,12 +82,8 @@ class LocalBackend:
             self.optimizers.append(optimizer)
             self.schedulers.append(scheduler)
 
-    def prompts(self, observations: Sequence[list[str]]) -> list[list[str]]:
-        """Every agent's prompts: its observations, in its role."""
-        return [[agent.prompt(o) for o in obs] for agent, obs in zip(self.team, observations)]
-
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        return generate_team(self.team, self.prompts(observations), num_samples, seed=seed)
+        return generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
 
     def logprobs(self, generations: Sequence[Generation]) -> list[torch.Tensor]:
         return [policy_logprobs(agent, gen) for agent, gen in zip(self.team, generations)]

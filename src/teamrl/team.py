@@ -112,6 +112,10 @@ class Team:
     def __len__(self) -> int:
         return len(self.agents)
 
+    def prompts(self, observations: Sequence[Sequence[str]]) -> list[list[str]]:
+        """Every agent's prompts: agent i's observations ``observations[i]``, each in its role."""
+        return [[agent.prompt(o) for o in obs] for agent, obs in zip(self.agents, observations)]
+
     def __iter__(self) -> Iterator[Agent]:
         return iter(self.agents)
 

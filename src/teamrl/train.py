@@ -31,7 +31,7 @@ from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
-from teamrl.rollout.generate import Generation, derive_seed
+from teamrl.rollout.generate import derive_seed
 from teamrl.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -149,7 +149,8 @@ class Trainer:
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
         # Every draw of the step is seeded from (seed, step): a resumed run, or one whose agents live in
         # Ray actors, samples and updates exactly as this uninterrupted, single-process one.
-        tree = magrpo.rollout(self.sample, self.env, items, config.algorithm, seed=derive_seed(config.seed, self.step))
+        tree = magrpo.rollout(self.agents.sample, self.env, items, config.algorithm,
+                              seed=derive_seed(config.seed, self.step))
         names = self.agent_names
         per_agent, returns = magrpo.advantages(tree, len(names), config.algorithm)
         metrics = magrpo.rollout_metrics(tree, returns, per_agent)
@@ -225,10 +226,6 @@ class Trainer:
         """The team: its agents in this process, or the :class:`~teamrl.distributed.RayTeam` of its actors."""
         return self.agents.team
 
-    def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        """Every agent's ``num_samples`` completions of its own observations (:meth:`AgentBackend.sample`)."""
-        return self.agents.sample(observations, num_samples, seed)
-
     def save_team(self, directory: str | Path | None = None) -> Path:
         """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
         env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
@@ -262,7 +259,7 @@ class Trainer:
         items = list(self.env.items(split))[:max_items]
         if not items:
             raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
-        output = heldout.sample_held_out(self.sample, self.env, items, num_samples,
+        output = heldout.sample_held_out(self.agents.sample, self.env, items, num_samples,
                                          self.config.seed if seed is None else seed, items_per_batch)
         return heldout.training_view(*heldout.score(self.env, output, num_samples))
 

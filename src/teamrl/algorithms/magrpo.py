@@ -86,8 +86,7 @@ def team_sampler(team: Team) -> SampleFn:
     when LoRA agents share one)."""
 
     def sample(observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        prompts = [[agent.prompt(o) for o in obs] for agent, obs in zip(team, observations)]
-        return generate_team(team, prompts, num_samples, seed=seed)
+        return generate_team(team, team.prompts(observations), num_samples, seed=seed)
 
     return sample
 

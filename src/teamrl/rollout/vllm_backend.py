@@ -313,4 +313,4 @@ class VLLMBackend(LocalBackend):
         self.sampler = VLLMSampler(config.rollout)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        return self.sampler.generate_team(self.team, self.prompts(observations), num_samples, seed=seed)
+        return self.sampler.generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
