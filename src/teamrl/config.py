@@ -141,10 +141,16 @@ class EnvConfig:
     kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
 
 
+#: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
+#: (docs/algorithm.md). Listed here so that a config validates without importing torch.
+ALGORITHM_NAMES = ("magrpo",)
+
+
 @dataclass
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652) and its variants."""
 
+    name: str = _doc("Training algorithm: 'magrpo' (docs/algorithm.md).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -171,6 +177,8 @@ class AlgorithmConfig:
     )
 
     def validate(self, path: str) -> None:
+        _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
+               self.name)
         _check(self.num_generations >= 2, f"{path}.num_generations",
                "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
         _check(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)

@@ -1,8 +1,9 @@
-"""The training loop: wires config -> environment -> team -> MAGRPO steps, with logging and checkpoints.
+"""The training loop: wires config -> environment -> team -> training steps, with logging and checkpoints.
 
-The algorithm itself lives in :mod:`teamrl.algorithms.magrpo`, and the agents behind
-:mod:`teamrl.backend`; this module only decides which items a step sees, writes metrics and samples, and
-saves/resumes checkpoints.
+A step is a rollout (:func:`teamrl.algorithms.magrpo.rollout`) and what the run's algorithm
+(``algorithm.name``: MAGRPO, :mod:`teamrl.algorithms.magrpo`, by default; :mod:`teamrl.algorithms.base`)
+learns from it; the agents live behind :mod:`teamrl.backend`. This module only decides which items a
+step sees, writes metrics and samples, and saves/resumes checkpoints.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import yaml
 
 from teamrl.algorithms import magrpo
+from teamrl.algorithms.base import Algorithm, make_algorithm
 from teamrl.backend import AgentBackend, make_backend
 from teamrl.checkpoint import CheckpointUnreadable, discard_checkpoints_after, load_checkpoint, save_checkpoint
 from teamrl.config import TrainConfig, config_to_dict
@@ -135,6 +137,8 @@ class Trainer:
         self.agents: AgentBackend = make_backend(config, self.env, team)
         """Where the agents live and how they are sampled and updated (:mod:`teamrl.backend`)."""
         self.agent_names = self.agents.names
+        self.algorithm: Algorithm = make_algorithm(config, self.env, self.agents)
+        """What a step learns from its rollout (``algorithm.name``, :mod:`teamrl.algorithms.base`)."""
         self.items: Sequence[Item] = self.env.items("train")
         if not self.items:
             raise ValueError(f"env: {type(self.env).__name__} has no training items")
@@ -143,7 +147,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One MAGRPO step on the next batch of items; returns its metrics."""
+        """One step on the next batch of items (the rollout, then the algorithm's learning); returns its metrics."""
         config = self.config
         start = time.perf_counter()
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
@@ -152,14 +156,10 @@ class Trainer:
         tree = magrpo.rollout(self.agents.sample, self.env, items, config.algorithm,
                               seed=derive_seed(config.seed, self.step))
         names = self.agent_names
-        per_agent, returns = magrpo.advantages(tree, len(names), config.algorithm)
-        metrics = magrpo.rollout_metrics(tree, returns, per_agent)
         generation_seconds = sum(t.generation_seconds for t in tree.turns)
         update_start = time.perf_counter()
-        generations = [[t.generations[i] for t in tree.turns] for i in range(len(names))]
         seeds = [derive_seed(config.seed, self.step, "update", i) for i in range(len(names))]
-        for name, stats in zip(names, self.agents.update(generations, per_agent, seeds)):
-            metrics.update({f"{name}/{key}": value for key, value in stats.items()})
+        metrics = self.algorithm.learn(tree, self.agents, seeds)
         generated = sum(gen.num_tokens for t in tree.turns for gen in t.generations)
         self.step += 1
         metrics.update({
@@ -234,8 +234,8 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint the current step."""
-        return save_checkpoint(self.run_dir, self.step, dict(zip(self.agent_names, self.agents.states())),
-                               keep_last=self.config.checkpoint.keep_last)
+        states = {**dict(zip(self.agent_names, self.agents.states())), **self.algorithm.states()}
+        return save_checkpoint(self.run_dir, self.step, states, keep_last=self.config.checkpoint.keep_last)
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:
@@ -271,14 +271,15 @@ class Trainer:
             shutil.rmtree(partial, ignore_errors=True)
         for checkpoint in complete_checkpoints(self.run_dir):
             try:
-                states, state = load_checkpoint(checkpoint, self.agent_names)
+                states, state = load_checkpoint(checkpoint, [*self.agent_names, *self.algorithm.states()])
                 break
             except CheckpointUnreadable as err:
                 log.warning("%s; trying the checkpoint before it", err)
         else:
             raise RunDirError(f"run_dir: no checkpoint in {str(self.run_dir)!r} can be read (see the warnings "
                               f"above); start a new run with --overwrite")
-        self.agents.load_states([states[name] for name in self.agent_names], checkpoint)
+        self.agents.load_states([states.pop(name) for name in self.agent_names], checkpoint)
+        self.algorithm.load_states(states, checkpoint)
         self.step = int(state["step"])
         # Steps logged or checkpointed after this checkpoint will be redone: drop them.
         for skipped in discard_checkpoints_after(self.run_dir, self.step):

@@ -26,17 +26,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
+from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import loss_normalizer, policy_loss
-from teamrl.config import AlgorithmConfig
+from teamrl.config import AlgorithmConfig, TrainConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import Generation, derive_seed, generate_team
 from teamrl.team import Agent, Team
+
+if TYPE_CHECKING:
+    from teamrl.backend import AgentBackend
+    from teamrl.checkpoint import AgentState
 
 
 @dataclass
@@ -132,6 +139,30 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
             break
         frontier, parents = next_frontier, torch.tensor(next_parents)
     return tree
+
+
+@register_algorithm("magrpo")
+class MAGRPO:
+    """The learning half of a MAGRPO step (:class:`~teamrl.algorithms.base.Algorithm`): returns and Eq. 1's
+    advantages over the tree (:func:`advantages`), then every agent's Eq. 2 update through its backend."""
+
+    def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
+        self.config = config.algorithm
+
+    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+        names = agents.names
+        per_agent, returns = advantages(tree, len(names), self.config)
+        metrics = rollout_metrics(tree, returns, per_agent)
+        generations = [[turn.generations[i] for turn in tree.turns] for i in range(len(names))]
+        for name, stats in zip(names, agents.update(generations, per_agent, seeds)):
+            metrics.update({f"{name}/{key}": value for key, value in stats.items()})
+        return metrics
+
+    def states(self) -> dict[str, AgentState]:
+        return {}  # MAGRPO trains the agents and nothing else
+
+    def load_states(self, states: dict[str, AgentState], source: str | Path) -> None:
+        pass
 
 
 def advantages(tree: Rollout, num_agents: int,

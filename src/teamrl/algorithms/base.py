@@ -1,0 +1,63 @@
+"""Training algorithms, selectable by ``algorithm.name``: what a step learns from its rollout.
+
+Every algorithm shares the step's first half, :func:`teamrl.algorithms.magrpo.rollout` (each agent's G
+completions of its observations, joint actions, rewards, the multi-turn tree). What it does with the tree
+is its own: MAGRPO (:mod:`teamrl.algorithms.magrpo`) computes group-relative advantages and updates every
+agent through its :class:`~teamrl.backend.AgentBackend`; another algorithm may derive advantages from a
+learned critic, pair joint actions into preferences, or train a reward model first. An algorithm is a
+class registered under its name with :func:`register_algorithm`, built once per run by
+:func:`make_algorithm`; what it trains besides the agents (a critic, a reward model) it hands to the
+Trainer's checkpoints through :meth:`Algorithm.states`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from teamrl.config import ALGORITHM_NAMES, TrainConfig
+from teamrl.registry import registrar
+
+if TYPE_CHECKING:
+    from teamrl.algorithms.magrpo import Rollout
+    from teamrl.backend import AgentBackend
+    from teamrl.checkpoint import AgentState
+    from teamrl.envs.base import Environment
+
+
+class Algorithm(Protocol):
+    """One run's learning rule. Built as ``cls(config, env, agents)``."""
+
+    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+        """Learn from one step's rollout ``tree``: update every agent of ``agents`` (``seeds[i]`` seeds whatever
+        agent i's update draws) and whatever else the algorithm trains; the step's metrics."""
+        ...
+
+    def states(self) -> dict[str, AgentState]:
+        """What the algorithm trains besides the agents (a critic, a reward model), by a name no agent has,
+        for checkpoints; empty when it trains nothing else."""
+        ...
+
+    def load_states(self, states: dict[str, AgentState], source: str | Path) -> None:
+        """Resume from :meth:`states`' entries, read from checkpoint ``source``."""
+        ...
+
+
+ALGORITHMS: dict[str, type] = {}
+register_algorithm = registrar(ALGORITHMS)
+"""``@register_algorithm(name)``: make an :class:`Algorithm` class selectable as ``algorithm.name``."""
+
+#: The modules of the shipped algorithms, imported (so that they register) when an algorithm is made.
+_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo"}
+
+
+def make_algorithm(config: TrainConfig, env: Environment, agents: AgentBackend) -> Algorithm:
+    """The algorithm ``config.algorithm.name`` names, for this run's environment and agents."""
+    name = config.algorithm.name
+    if name not in ALGORITHMS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm.name: unknown algorithm {name!r}; shipped: {', '.join(ALGORITHM_NAMES)}")
+    return ALGORITHMS[name](config, env, agents)
