@@ -143,14 +143,37 @@ class EnvConfig:
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
 #: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo",)
+ALGORITHM_NAMES = ("magrpo", "iac", "maac")
+
+
+@dataclass
+class CriticConfig:
+    """The learned critic of the actor-critic algorithms ('iac', 'maac'; docs/algorithm.md#actor-critic)."""
+
+    model: str | None = _doc(
+        "The critic's base model; empty = the team's (iac: each agent's own). Trained as `team.training` says.", None
+    )
+    lr: float = _doc("The critic's learning rate (its own AdamW; the agents' betas, decay and schedule).", 1e-3)
+    value_clip: float | None = _doc(
+        "PPO value clipping: later passes keep V within old V +- value_clip (reward units); empty = off.", 0.2
+    )
+    gae_lambda: float = _doc("GAE's lambda over the tree: 1 = Monte-Carlo (A = R - V), 0 = one-step TD.", 1.0)
+    normalize_advantages: bool = _doc("Whiten each agent's advantages over the step (mean 0, std 1).", False)
+
+    def validate(self, path: str) -> None:
+        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        _check(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip",
+               "must be > 0 (or empty for no clipping)", self.value_clip)
+        _check(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda", "must be in [0, 1]", self.gae_lambda)
+        if self.model:
+            _check_model_spec(self.model, f"{path}.model")
 
 
 @dataclass
 class AlgorithmConfig:
-    """MAGRPO (arXiv 2508.04652) and its variants."""
+    """MAGRPO (arXiv 2508.04652), its variants and the other algorithms (docs/algorithm.md)."""
 
-    name: str = _doc("Training algorithm: 'magrpo' (docs/algorithm.md).", "magrpo")
+    name: str = _doc("Training algorithm: 'magrpo', 'iac' or 'maac' (docs/algorithm.md).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -175,6 +198,8 @@ class AlgorithmConfig:
     learners: Literal["joint", "individual"] = _doc(
         "Reward each agent learns from: 'joint' (MAGRPO) or 'individual' (docs/algorithm.md#options).", "joint"
     )
+    critic: CriticConfig = _doc("The critic of 'iac' and 'maac' (docs/algorithm.md#actor-critic).",
+                                factory=CriticConfig)
 
     def validate(self, path: str) -> None:
         _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
@@ -187,6 +212,7 @@ class AlgorithmConfig:
         _check(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)
         _check(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
         _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
+        self.critic.validate(f"{path}.critic")
 
 
 @dataclass
