@@ -193,8 +193,7 @@ def build_critics(specs: Sequence[tuple[str, str, int]], config: TrainConfig, en
                                                   device=config.team.device, onednn_linear=config.team.onednn_linear)
         adapter = None
         if lora:
-            # PEFT mis-handles adapter names that are substrings of its own "lora_" prefix: hence the prefix.
-            adapter = "critic_" + name.replace(".", "_")
+            adapter = name.replace(".", "_")  # PEFT's module names are dotted paths
             backbone = _add_adapter(backbone, adapter, config.team)
             bases[spec] = (backbone, tokenizer)
             marker = f".{adapter}."
