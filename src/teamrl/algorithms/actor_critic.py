@@ -92,8 +92,8 @@ def whiten(advantages: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tens
 
 
 class ActorCritic:
-    """An actor-critic step (:class:`~teamrl.algorithms.base.Algorithm`); :class:`IAC` and :class:`MAAC` say
-    which critics there are and what each reads."""
+    """An actor-critic step (:class:`~teamrl.algorithms.base.Algorithm`). ``centralised`` (:class:`MAAC`) or not
+    (:class:`IAC`) decides which critics there are and what each reads."""
 
     centralised: ClassVar[bool]
 
