@@ -13,7 +13,8 @@ from teamrl.config import ConfigError, TrainConfig, config_from_dict, describe_f
 def test_defaults_validate_and_every_field_is_documented():
     config = config_from_dict({})
     assert isinstance(config, TrainConfig)
-    assert config.algorithm.num_generations == 4 and config.algorithm.advantage == "mean"
+    assert config.algorithm.num_generations == 4
+    assert config.algorithm.advantage is None and config.algorithm.advantage_estimator == "mean"
     for name, _default, help_text in describe_fields():
         assert help_text, f"config field {name} has no documentation"
 

@@ -143,7 +143,12 @@ class EnvConfig:
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
 #: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo", "iac", "maac")
+ALGORITHM_NAMES = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "iac", "maac")
+
+#: The algorithms that are MAGRPO with their own advantage estimator (CoMLRL's trainers of those names):
+#: ``algorithm.name: marloo`` says what ``name: magrpo, advantage: rloo`` says, and an ``algorithm.advantage``
+#: other than its own is an error.
+FIXED_ADVANTAGES = {"mareinforce": "none", "marloo": "rloo", "maremax": "max"}
 
 
 @dataclass
@@ -173,15 +178,17 @@ class CriticConfig:
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652), its variants and the other algorithms (docs/algorithm.md)."""
 
-    name: str = _doc("Training algorithm: 'magrpo', 'iac' or 'maac' (docs/algorithm.md).", "magrpo")
+    name: str = _doc("Training algorithm: 'magrpo', 'mareinforce', 'marloo', 'maremax', 'centralized', 'iac' or "
+                     "'maac' (docs/algorithm.md#algorithms).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
     )
     num_turns: int = _doc("T: turns per episode. Turn t>1 observations carry the environment's feedback.", 1)
     discount: float = _doc("gamma in R_t = r_t + gamma * mean(R_{t+1} of the node's children).", 1.0)
-    advantage: Literal["mean", "std", "rloo", "none"] = _doc(
-        "Group-relative advantage: 'mean' (Eq. 1), 'std', 'rloo' or 'none' (docs/algorithm.md#options).", "mean"
+    advantage: Literal["mean", "std", "rloo", "none", "max"] | None = _doc(
+        "Advantage: 'mean' (Eq. 1), 'std', 'rloo', 'none' or 'max'; empty = the algorithm's own (docs/algorithm.md).",
+        None,
     )
     logprob_aggregation: Literal["token_sum", "sequence_mean", "token_mean"] = _doc(
         "Aggregation: 'token_sum' (Eq. 2), 'sequence_mean' or 'token_mean' (docs/algorithm.md#options).",
@@ -201,9 +208,23 @@ class AlgorithmConfig:
     critic: CriticConfig = _doc("The critic of 'iac' and 'maac' (docs/algorithm.md#actor-critic).",
                                 factory=CriticConfig)
 
+    @property
+    def advantage_estimator(self) -> str:
+        """The advantage estimator the run uses: the algorithm's fixed one, ``advantage``, or 'mean'."""
+        return FIXED_ADVANTAGES.get(self.name) or self.advantage or "mean"
+
     def validate(self, path: str) -> None:
         _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
                self.name)
+        fixed = FIXED_ADVANTAGES.get(self.name)
+        _check(self.advantage in (None, fixed) if fixed else True, f"{path}.advantage",
+               f"{path}.name={self.name!r} is MAGRPO with advantage {fixed!r}; leave {path}.advantage empty "
+               f"(or {fixed!r}), or use {path}.name='magrpo' with the advantage you want", self.advantage)
+        if self.name == "centralized":
+            _check(self.num_turns == 1, f"{path}.num_turns", "must be 1 with name='centralized' (single-turn)",
+                   self.num_turns)
+            _check(self.learners == "joint", f"{path}.learners",
+                   "must be 'joint' with name='centralized' (its one agent has no reward of its own)", self.learners)
         _check(self.num_generations >= 2, f"{path}.num_generations",
                "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
         _check(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
@@ -369,6 +390,11 @@ class TrainConfig:
         self.checkpoint.validate("checkpoint")
         self.rollout.validate("rollout")
         self.distributed.validate("distributed")
+        if self.algorithm.name == "centralized":
+            _check(len(self.team.agents) == 1, "team.agents",
+                   "algorithm.name='centralized' trains one policy that writes every seat's part: list exactly one "
+                   "agent, e.g. team.agents=[{name: central}] (docs/algorithm.md#centralized)",
+                   [a.name for a in self.team.agents])
         if self.distributed.backend == "ray":
             # Ray decides which devices an actor sees: GPU 0 of its own, or none.
             device = "cuda" if self.distributed.gpus_per_agent > 0 else "cpu"

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from teamrl.algorithms import magrpo
-from teamrl.algorithms.base import Algorithm, make_algorithm
+from teamrl.algorithms.base import Algorithm, make_algorithm, make_environment
 from teamrl.backend import AgentBackend, make_backend
 from teamrl.checkpoint import CheckpointUnreadable, discard_checkpoints_after, load_checkpoint, save_checkpoint
 from teamrl.config import TrainConfig, config_to_dict
@@ -130,7 +130,8 @@ class Trainer:
         if config.logging.wandb_project:
             _require("wandb", "logging.wandb_project")
         seed_everything(config.seed)
-        self.env = env if env is not None else make_env(config.env.name, **config.env.kwargs)
+        # The algorithm's view of the task (centralized: one agent doing every seat's part).
+        self.env = make_environment(config, env if env is not None else make_env(config.env.name, **config.env.kwargs))
         if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
             raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
                              f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
@@ -230,7 +231,8 @@ class Trainer:
         """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
         env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
         return self.agents.save(directory or self.run_dir / TEAM_DIR,
-                                metadata={"env": env, "seed": self.config.seed, "step": self.step})
+                                metadata={"env": env, "algorithm": self.config.algorithm.name, "seed": self.config.seed,
+                                          "step": self.step})
 
     def save(self) -> Path:
         """Checkpoint the current step."""

@@ -16,6 +16,7 @@ from teamrl.algorithms.advantages import (
     ADVANTAGES,
     absorbing_factor,
     agent_advantages,
+    best_of_others,
     group_advantages,
     joint_action_combos,
     leave_one_out,
@@ -43,7 +44,7 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
 
 
 def test_registered_modes():
-    assert {"mean", "std", "rloo", "none"} <= set(ADVANTAGES)
+    assert {"mean", "std", "rloo", "none", "max"} <= set(ADVANTAGES)
 
 
 def test_mean_baseline_hand_computed():
@@ -90,6 +91,28 @@ def test_none_is_the_raw_return_and_a_copy():
     close(returns, [1, 2, 3, 6])  # the caller's returns are not modified through the advantage
 
 
+def test_max_baseline_is_the_best_of_the_other_returns():
+    # R = [1, 2, 4, 3]: best of the others is 4, 4, 3 (the runner-up, for the best sample itself), 4
+    # A = 1 - 4, 2 - 4, 4 - 3, 3 - 4 = -3, -2, 1, -1: only the sample that beats every sibling goes up
+    close(best_of_others(t([1, 2, 4, 3])), [-3, -2, 1, -1])
+    # CoMLRL's R - max(R) (its own sample counted) would give [-3, -2, 0, -1]: the best sample never goes up.
+    # G = 2: A = R_g - R_other, as RLOO: [1, 3] -> [-2, 2]
+    close(best_of_others(t([1, 3])), [-2, 2])
+    # each row is its own group: [5, 0, 2] -> best of the others 2, 5, 5 -> [3, -5, -3]
+    close(best_of_others(t([[1, 2, 4, 3], [5, 0, 2, 2]])), [[-3, -2, 1, -1], [3, -5, -3, -3]])
+
+
+def test_max_baseline_ties_for_the_best_get_zero():
+    # R = [4, 4, 1]: each 4's best other is the other 4 -> 0; the 1's is 4 -> -3
+    close(best_of_others(t([4, 4, 1])), [0, 0, -3])
+    close(best_of_others(t([2, 2])), [0, 0])
+
+
+def test_max_baseline_needs_two_returns():
+    with pytest.raises(ValueError, match="at least 2 returns"):
+        best_of_others(t([[3.0]]))
+
+
 def test_group_advantages_groups_over_joint_actions_per_point_and_channel():
     # (E=2, M=3, K=2): a group is the M joint actions of one expansion point, for one channel.
     returns = t([
@@ -104,6 +127,8 @@ def test_group_advantages_groups_over_joint_actions_per_point_and_channel():
     # rloo = G/(G-1) = 3/2 times the mean baseline here: point 0 channel 0 -> [-3, -1.5, 4.5]
     close(group_advantages(returns, "rloo")[0, :, 0], [-3, -1.5, 4.5])
     close(group_advantages(returns, "none"), returns.tolist())
+    # max: point 0 channel 1 = [10, 20, 0] -> best of the others 20, 10, 20 -> [-10, 10, -20]
+    close(group_advantages(returns, "max")[0, :, 1], [-10, 10, -20])
 
 
 def test_group_advantages_unknown_mode():
@@ -353,6 +378,20 @@ def test_end_to_end_aligned_one_turn_mean():
     for agent in range(2):  # centralised: both agents get the same A_g for their g-th completion
         close(per_agent[agent][0], [-2, -1, 3, -1, -1, 2])
     close(returns[0].squeeze(-1), [[1, 2, 6], [0, 0, 3]])
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("magrpo", [-2, -1, 3]),           # R - mean = R - 3
+    ("mareinforce", [1, 2, 6]),        # the raw return
+    ("marloo", [-3, -1.5, 4.5]),       # R - mean of the others: 1 - 4, 2 - 3.5, 6 - 1.5
+    ("maremax", [-5, -4, 4]),          # R - best of the others: 1 - 6, 2 - 6, 6 - 2
+])
+def test_end_to_end_each_algorithm_name_uses_its_estimator(name, expected):
+    # 1 item, G = 3, 2 agents aligned, rewards [1, 2, 6]; every agent's g-th completion gets A_g.
+    turn = make_turn([[[1], [2], [6]]], [0], joint_action_combos(2, 3, "aligned"), 2, 3)
+    per_agent, _ = run_advantages([turn], 2, name=name, num_generations=3)
+    for agent in range(2):
+        close(per_agent[agent][0], expected)
 
 
 def test_end_to_end_aligned_one_turn_std():

@@ -46,6 +46,25 @@ def no_baseline(returns: torch.Tensor) -> torch.Tensor:
     return returns.clone()
 
 
+@register_advantage("max")
+def best_of_others(returns: torch.Tensor) -> torch.Tensor:
+    """A_g = R_g - max of the other G-1 returns: MAReMax's max baseline, left out of its own sample.
+
+    Only a sample that beats every sibling is pushed up (by its margin over the runner-up); a tie for the
+    best gets 0. Leaving R_g out keeps the baseline independent of sample g, so the gradient stays an
+    unbiased estimate of the return's; CoMLRL's R_g - max_k R_k (every sample counted) gives the best
+    sample exactly 0 and the gradient of E[min(R_g, max of the others)] instead (docs/algorithm.md).
+    """
+    size = returns.shape[-1]
+    if size < 2:
+        raise ValueError(f"the max baseline needs at least 2 returns per group (got {size})")
+    top2 = returns.topk(2, dim=-1).values
+    best, runner_up = top2[..., :1], top2[..., 1:]
+    # The best of the others is the group's best, except for the sample that holds it (a tie: the same value).
+    others_best = torch.where(returns == best, runner_up, best)
+    return returns - others_best
+
+
 def group_advantages(returns: torch.Tensor, mode: str) -> torch.Tensor:
     """Advantages of (E, M, K) returns, each group being the M joint actions of one expansion point."""
     if mode not in ADVANTAGES:

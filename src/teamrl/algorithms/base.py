@@ -50,15 +50,28 @@ register_algorithm = registrar(ALGORITHMS)
 """``@register_algorithm(name)``: make an :class:`Algorithm` class selectable as ``algorithm.name``."""
 
 #: The modules of the shipped algorithms, imported (so that they register) when an algorithm is made.
-_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "iac": "teamrl.algorithms.actor_critic",
+_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "mareinforce": "teamrl.algorithms.magrpo",
+                    "marloo": "teamrl.algorithms.magrpo", "maremax": "teamrl.algorithms.magrpo",
+                    "centralized": "teamrl.algorithms.centralized", "iac": "teamrl.algorithms.actor_critic",
                     "maac": "teamrl.algorithms.actor_critic"}
 
 
-def make_algorithm(config: TrainConfig, env: Environment, agents: AgentBackend) -> Algorithm:
-    """The algorithm ``config.algorithm.name`` names, for this run's environment and agents."""
-    name = config.algorithm.name
+def algorithm_class(name: str) -> type:
+    """The class registered as ``name``, importing the shipped module that registers it."""
     if name not in ALGORITHMS and name in _BUILTIN_MODULES:
         importlib.import_module(_BUILTIN_MODULES[name])
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm.name: unknown algorithm {name!r}; shipped: {', '.join(ALGORITHM_NAMES)}")
-    return ALGORITHMS[name](config, env, agents)
+    return ALGORITHMS[name]
+
+
+def make_environment(config: TrainConfig, env: Environment) -> Environment:
+    """The environment the run's agents play: the task ``env`` itself, or what the algorithm makes of it
+    when its class has a static ``environment(env)`` (``centralized``: one agent writing every seat's part)."""
+    wrap = getattr(algorithm_class(config.algorithm.name), "environment", None)
+    return env if wrap is None else wrap(env)
+
+
+def make_algorithm(config: TrainConfig, env: Environment, agents: AgentBackend) -> Algorithm:
+    """The algorithm ``config.algorithm.name`` names, for this run's environment and agents."""
+    return algorithm_class(config.algorithm.name)(config, env, agents)

@@ -142,9 +142,16 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
 
 
 @register_algorithm("magrpo")
+@register_algorithm("mareinforce")
+@register_algorithm("marloo")
+@register_algorithm("maremax")
 class MAGRPO:
     """The learning half of a MAGRPO step (:class:`~teamrl.algorithms.base.Algorithm`): returns and Eq. 1's
-    advantages over the tree (:func:`advantages`), then every agent's Eq. 2 update through its backend."""
+    advantages over the tree (:func:`advantages`), then every agent's Eq. 2 update through its backend.
+
+    MAREINFORCE, MARLOO and MAReMax are this class under their own names: the same step with the advantage
+    estimator the name fixes (:data:`~teamrl.config.FIXED_ADVANTAGES`: raw return, leave-one-out mean,
+    best of the others), as ``config.advantage_estimator`` resolves it."""
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm
@@ -172,7 +179,7 @@ def advantages(tree: Rollout, num_agents: int,
                            [t.terminated for t in tree.turns], config.num_turns)
     per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
     for turn, turn_returns in zip(tree.turns, returns):
-        joint = group_advantages(turn_returns, config.advantage)  # Eq. 1, one group per expansion point
+        joint = group_advantages(turn_returns, config.advantage_estimator)  # Eq. 1, one group per expansion point
         for i in range(num_agents):
             channel = joint[:, :, min(i, joint.shape[2] - 1)]  # the shared reward, or agent i's own
             per_agent[i].append(agent_advantages(channel, turn.combos, i, config.num_generations).reshape(-1))

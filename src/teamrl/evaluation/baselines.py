@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from teamrl.envs.base import Environment, Item
+from teamrl.envs.centralized import CentralizedEnv
 from teamrl.inference import TeamOutput, run_team
 from teamrl.registry import registrar
 from teamrl.team import Team
@@ -87,11 +88,12 @@ def single(env: Environment, team: Team, items: Sequence[Item], num_samples: int
     first = team[0]
     agent = replace(first, name="single", system_prompt=env.single_agent_role,
                     sampling=replace(first.sampling, max_new_tokens=first.sampling.max_new_tokens * env.num_agents))
-    prompts = [env.single_agent_observation(item) for item in items]
-    output = run_team(Team([agent]), [[prompt] for prompt in prompts], num_samples)
-    episodes = [Episode(item, [prompt], env.split_single_agent_output(item, text), {"completion": text})
-                for (item, prompt), text in zip(_repeat(zip(items, prompts), num_samples), output.texts[0])]
-    return MethodOutput(episodes, output.tokens, output.seconds)
+    central = CentralizedEnv(env)  # the task as one agent plays it, as a centralised policy is trained on it
+    observations = [central.observe(item) for item in items]
+    output = run_team(Team([agent]), observations, num_samples)
+    episodes = [Episode(item, seen, [text])
+                for (item, seen), text in zip(_repeat(zip(items, observations), num_samples), output.texts[0])]
+    return central.joint_output(MethodOutput(episodes, output.tokens, output.seconds))
 
 
 @register_baseline("concat")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from teamrl.envs.base import Environment, Item
+from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.metrics import accuracy_at_k, normalised_return, pass_at_k, summarise_levels, tokens_per_second
@@ -65,7 +66,11 @@ def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], n
 def score(env: Environment, output: MethodOutput, num_samples: int,
           ks: Sequence[int] = (1,)) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """A method's metrics (:func:`method_metrics`) and records (:func:`sample_records`), every joint action of
-    ``output`` (``num_samples`` per item) scored by the environment's own joint reward."""
+    ``output`` (``num_samples`` per item) scored by the environment's own joint reward. A centralised policy's
+    completions (:class:`~teamrl.envs.centralized.CentralizedEnv`) are scored as the joint actions of the task
+    it plays, so its numbers are a team's."""
+    if isinstance(env, CentralizedEnv):
+        env, output = env.inner, env.joint_output(output)
     rewards = env.joint_rewards([(episode.item, episode.actions, ()) for episode in output.episodes])
     is_code = isinstance(env, CodingEnv)
     return (method_metrics(env, output, rewards, num_samples, ks, is_code),

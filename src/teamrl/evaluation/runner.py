@@ -13,11 +13,12 @@ Methods (``--methods``, comma-separated): ``single`` (the first agent's model do
 ``single:MODEL`` (another model, any ``team.model`` spec), ``concat``, ``sequential``, ``discussion``
 (the baselines of :mod:`teamrl.evaluation.baselines`, on the untrained team the config describes) and
 ``team:PATH`` (a team saved by :meth:`teamrl.team.Team.save_pretrained`, run decentralised: each agent
-answers its own observation).
+answers its own observation; a policy trained with ``algorithm.name: centralized``, on the single-agent prompt).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from teamrl.algorithms.magrpo import team_sampler
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
+from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.coding import CodingEnv
 from teamrl.evaluation.baselines import BASELINES, MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
@@ -206,8 +208,9 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
     try:
         for method, team in zip(settings.methods, teams):
             log(f"{method.spec}: {len(items)} items x {settings.num_samples} samples ...")
-            output = _answer(method, env, team, items, settings.num_samples, config.seed)
-            metrics, samples = score(env, output, settings.num_samples, settings.ks)
+            played = _played_env(method, env)
+            output = _answer(method, played, team, items, settings.num_samples, config.seed)
+            metrics, samples = score(played, output, settings.num_samples, settings.ks)
             log(f"{method.spec}: normalised return {metrics['normalised_return']:.3f}, "
                 f"{metrics['tokens_per_s']:.1f} tokens/s")
             results.append(MethodResult(method, metrics, samples))
@@ -230,9 +233,10 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
     for method in methods:
         if method.team_dir is not None:
             team = Team.from_pretrained(method.team_dir, env, device=config.team.device, dtype=config.team.dtype)
-            if len(team) != env.num_agents:
+            seats = _played_env(method, env).num_agents
+            if len(team) != seats:
                 raise ValueError(f"--methods: {method.spec}: the saved team has {len(team)} agents but "
-                                 f"{config.env.name} has {env.num_agents} seats")
+                                 f"{config.env.name} has {seats} seats")
             if team_sampling == "config":
                 for index, agent in enumerate(team):
                     agent.sampling = config.team.agent_sampling(index)
@@ -247,6 +251,15 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
             team = untrained
         teams.append(team)
     return teams
+
+
+def _played_env(method: Method, env: Environment) -> Environment:
+    """The environment a method's agents play: for a saved centralised policy (``algorithm.name: centralized``
+    in its ``team.json``) the task as its one agent plays it, every seat's part in one completion; else ``env``."""
+    if method.team_dir is not None and \
+            json.loads((method.team_dir / "team.json").read_text()).get("algorithm") == "centralized":
+        return CentralizedEnv(env)
+    return env
 
 
 def _answer(method: Method, env: Environment, team: Team, items: Sequence[Item], num_samples: int,

@@ -1,0 +1,36 @@
+"""Centralised MAGRPO (CoMLRL's ``CentralizedMAGRPOTrainer``): one policy writes every seat's part.
+
+The trained baseline a decentralised team is measured against. The task becomes
+:class:`~teamrl.envs.centralized.CentralizedEnv`: one agent reads the whole task o (the task's
+single-agent prompt) and writes one completion a, which the task splits into the joint action
+(a_1, ..., a_n) = split(a) and scores with its own joint reward r = R(split(a)). Training is MAGRPO's
+with n = 1:
+
+1. Rollout (:func:`~teamrl.algorithms.magrpo.rollout`): G completions a^1..a^G of o per item, each
+   scored r_g = R(split(a^g)).
+2. Advantages, Eq. 1 (:func:`~teamrl.algorithms.magrpo.advantages`): A_g = r_g - mean(r) over the G
+   completions (or the estimator ``algorithm.advantage`` names).
+3. Update, Eq. 2: the one policy maximises mean_g A_g log pi_theta(a^g | o), every token of the
+   completion (every seat's part) trained.
+
+It runs centralised at inference too: one model, one prompt, the parts written one after another; a
+team's agents answer their own prompts in parallel. Compare the two by the held-out joint reward of the
+same task (``Trainer.evaluate``, ``teamrl eval team:PATH``), and by tokens and seconds per answer.
+"""
+
+from __future__ import annotations
+
+from teamrl.algorithms.base import register_algorithm
+from teamrl.algorithms.magrpo import MAGRPO
+from teamrl.envs.base import Environment
+from teamrl.envs.centralized import CentralizedEnv
+
+
+@register_algorithm("centralized")
+class Centralized(MAGRPO):
+    """MAGRPO's step (:class:`~teamrl.algorithms.magrpo.MAGRPO`) on the task as one agent plays it."""
+
+    @staticmethod
+    def environment(env: Environment) -> CentralizedEnv:
+        """The task for one agent writing every seat's part (see :func:`~teamrl.algorithms.base.make_environment`)."""
+        return CentralizedEnv(env)
