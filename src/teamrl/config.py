@@ -176,6 +176,11 @@ class AlgorithmConfig:
         "Reward each agent learns from: 'joint' (MAGRPO) or 'individual' (docs/algorithm.md#options).", "joint"
     )
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the update reads each agent's frozen reference policy (the KL penalty)."""
+        return self.kl_coef > 0
+
     def validate(self, path: str) -> None:
         _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
                self.name)
