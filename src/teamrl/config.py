@@ -143,14 +143,43 @@ class EnvConfig:
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
 #: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo",)
+ALGORITHM_NAMES = ("magrpo", "madpo")
+
+
+@dataclass
+class PreferenceConfig:
+    """How 'madpo' pairs the joint actions of a group into preferences."""
+
+    pairs: Literal["best_worst", "all"] = _doc(
+        "Pairs per group: 'best_worst' (its best against its worst joint action) or 'all' ordered pairs.",
+        "best_worst",
+    )
+    min_gap: float = _doc("A pair needs winner's value - loser's > min_gap; ties never pair (docs/algorithm.md).", 0.0)
+
+    def validate(self, path: str) -> None:
+        _check(self.min_gap >= 0, f"{path}.min_gap", "must be >= 0 (ties never make a pair)", self.min_gap)
+
+
+@dataclass
+class DPOConfig:
+    """The multi-agent DPO loss of 'madpo'."""
+
+    beta: float = _doc("DPO's beta: scale of the implicit reward beta * log(pi / pi_ref); larger = closer to pi_ref.",
+                       0.1)
+    coupling: Literal["joint", "independent"] = _doc(
+        "'joint': DPO on the team's joint log-ratio; 'independent': each agent's own (docs/algorithm.md#madpo).",
+        "joint",
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.beta > 0, f"{path}.beta", "must be > 0", self.beta)
 
 
 @dataclass
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652) and its variants."""
 
-    name: str = _doc("Training algorithm: 'magrpo' (docs/algorithm.md).", "magrpo")
+    name: str = _doc("Training algorithm: 'magrpo' or 'madpo' (docs/algorithm.md).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -175,11 +204,14 @@ class AlgorithmConfig:
     learners: Literal["joint", "individual"] = _doc(
         "Reward each agent learns from: 'joint' (MAGRPO) or 'individual' (docs/algorithm.md#options).", "joint"
     )
+    preference: PreferenceConfig = _doc("'madpo': pairing joint actions into preferences.",
+                                        factory=PreferenceConfig)
+    dpo: DPOConfig = _doc("'madpo': the DPO loss.", factory=DPOConfig)
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the update reads each agent's frozen reference policy (the KL penalty)."""
-        return self.kl_coef > 0
+        """Whether the update reads each agent's frozen reference policy (the KL penalty, or DPO's log-ratios)."""
+        return self.kl_coef > 0 or self.name == "madpo"
 
     def validate(self, path: str) -> None:
         _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
@@ -192,6 +224,16 @@ class AlgorithmConfig:
         _check(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)
         _check(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
         _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
+        self.preference.validate(f"{path}.preference")
+        self.dpo.validate(f"{path}.dpo")
+        if self.name == "madpo":
+            _check(self.learners == "joint", f"{path}.learners",
+                   f"must be 'joint' with {self.name}: its preferences compare joint rewards", self.learners)
+            _check(self.kl_coef == 0, f"{path}.kl_coef",
+                   "must be 0 with madpo: DPO's beta already keeps each agent near its reference", self.kl_coef)
+            _check(self.logprob_aggregation == "token_sum", f"{path}.logprob_aggregation",
+                   "must be 'token_sum' with madpo: DPO compares whole completions' log-probs",
+                   self.logprob_aggregation)
 
 
 @dataclass

@@ -3,11 +3,11 @@
 ``policy_gradient``, the per-agent policy loss of paper Eq. 2 with PPO-style clipping and an optional KL
 penalty: with one pass over the rollout the ratio is exactly 1 and the gradient is that of
 A * log pi(a | o). Later passes over the same rollout are off-policy and the clipped ratio keeps them close
-to the sampling policy.
+to the sampling policy. ``dpo``, multi-agent DPO's loss on pairs of completions (:mod:`teamrl.algorithms.madpo`).
 
 Both update paths (:func:`teamrl.algorithms.magrpo.update_agent` and :mod:`teamrl.algorithms.fast_update`)
 run whichever loss ``AgentBackend.update(..., loss=name)`` names, on micro-batches of rows that each carry
-one value (the advantage of ``policy_gradient``).
+one value (the advantage of ``policy_gradient``, the pair's offset of ``dpo``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from teamrl.registry import registrar
 
@@ -169,3 +170,23 @@ def policy_gradient(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: 
                        normalizer=normalizer, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
                        ref_logprobs=ref_logprobs, kl_coef=config.kl_coef)
 
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, offsets: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per pair, -log sigma(beta * (chosen - rejected + offset)).
+
+    ``chosen``, ``rejected``: the trained agent's log pi of its part of the preferred and of the rejected joint
+    action; ``offsets``: every other term of the margin, constants of this update (minus the agent's reference
+    log-ratio, and under 'joint' coupling the other agents' log-ratio margins: :mod:`teamrl.algorithms.madpo`).
+    """
+    return -F.logsigmoid(beta * (chosen - rejected + offsets))
+
+
+@register_loss("dpo", rows_per_example=2, linear_in_values=False)
+def dpo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+        config: AlgorithmConfig, normalizer: float, ref_logprobs: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Multi-agent DPO (:func:`dpo_loss`, ``algorithm.dpo.beta``) on rows that come in (preferred, rejected) pairs,
+    the pair's offset in both rows' ``values``; a completion's log pi sums its trained tokens."""
+    sequence = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+    losses = dpo_loss(sequence[0::2], sequence[1::2], values[0::2].to(sequence.dtype), config.dpo.beta)
+    return losses.sum() / normalizer, {"clip_fraction": 0.0, "tokens": float(mask.sum())}
