@@ -143,12 +143,12 @@ class EnvConfig:
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
 #: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo", "madpo")
+ALGORITHM_NAMES = ("magrpo", "madpo", "marlhf")
 
 
 @dataclass
 class PreferenceConfig:
-    """How 'madpo' pairs the joint actions of a group into preferences."""
+    """How 'madpo' and 'marlhf' pair the joint actions of a group into preferences."""
 
     pairs: Literal["best_worst", "all"] = _doc(
         "Pairs per group: 'best_worst' (its best against its worst joint action) or 'all' ordered pairs.",
@@ -176,10 +176,30 @@ class DPOConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """The joint reward model of 'marlhf', learned from preferences between joint actions."""
+
+    model: str = _doc("Its base model (a spec as team.model takes); empty = team.model.", "")
+    steps: int = _doc("Training steps that only collect preferences and train the reward model; then RL begins.", 10)
+    refresh_every: int = _doc("After those steps, label a rollout and train the reward model every N steps; 0 = never.",
+                              0)
+    epochs: int = _doc("Reward-model optimiser steps on each labelled step's pairs.", 1)
+    lr: float = _doc("The reward model's AdamW learning rate.", 1e-4)
+
+    def validate(self, path: str) -> None:
+        _check(self.steps >= 1, f"{path}.steps", "must be >= 1: the reward model needs preferences first", self.steps)
+        _check(self.refresh_every >= 0, f"{path}.refresh_every", "must be >= 0 (0 = never)", self.refresh_every)
+        _check(self.epochs >= 1, f"{path}.epochs", "must be >= 1", self.epochs)
+        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        if self.model:
+            _check_model_spec(self.model, f"{path}.model")
+
+
+@dataclass
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652) and its variants."""
 
-    name: str = _doc("Training algorithm: 'magrpo' or 'madpo' (docs/algorithm.md).", "magrpo")
+    name: str = _doc("Training algorithm: 'magrpo', 'madpo' or 'marlhf' (docs/algorithm.md).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -204,9 +224,10 @@ class AlgorithmConfig:
     learners: Literal["joint", "individual"] = _doc(
         "Reward each agent learns from: 'joint' (MAGRPO) or 'individual' (docs/algorithm.md#options).", "joint"
     )
-    preference: PreferenceConfig = _doc("'madpo': pairing joint actions into preferences.",
+    preference: PreferenceConfig = _doc("'madpo', 'marlhf': pairing joint actions into preferences.",
                                         factory=PreferenceConfig)
     dpo: DPOConfig = _doc("'madpo': the DPO loss.", factory=DPOConfig)
+    reward_model: RewardModelConfig = _doc("'marlhf': the learned joint reward model.", factory=RewardModelConfig)
 
     @property
     def uses_reference(self) -> bool:
@@ -226,9 +247,11 @@ class AlgorithmConfig:
         _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
         self.preference.validate(f"{path}.preference")
         self.dpo.validate(f"{path}.dpo")
-        if self.name == "madpo":
+        self.reward_model.validate(f"{path}.reward_model")
+        if self.name in ("madpo", "marlhf"):
             _check(self.learners == "joint", f"{path}.learners",
                    f"must be 'joint' with {self.name}: its preferences compare joint rewards", self.learners)
+        if self.name == "madpo":
             _check(self.kl_coef == 0, f"{path}.kl_coef",
                    "must be 0 with madpo: DPO's beta already keeps each agent near its reference", self.kl_coef)
             _check(self.logprob_aggregation == "token_sum", f"{path}.logprob_aggregation",

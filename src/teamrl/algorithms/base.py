@@ -50,7 +50,8 @@ register_algorithm = registrar(ALGORITHMS)
 """``@register_algorithm(name)``: make an :class:`Algorithm` class selectable as ``algorithm.name``."""
 
 #: The modules of the shipped algorithms, imported (so that they register) when an algorithm is made.
-_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "madpo": "teamrl.algorithms.madpo"}
+_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "madpo": "teamrl.algorithms.madpo",
+                    "marlhf": "teamrl.algorithms.marlhf"}
 
 
 def make_algorithm(config: TrainConfig, env: Environment, agents: AgentBackend) -> Algorithm:
