@@ -171,6 +171,12 @@ def policy_gradient(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: 
                        ref_logprobs=ref_logprobs, kl_coef=config.kl_coef)
 
 
+def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) log pi of each whole completion: the sum of its trained tokens' (B, C) log-probs (the others are
+    replaced, not multiplied: they may hold -inf)."""
+    return torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+
+
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, offsets: torch.Tensor, beta: float) -> torch.Tensor:
     """Per pair, -log sigma(beta * (chosen - rejected + offset)).
 
@@ -187,6 +193,6 @@ def dpo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: torch.Tensor
         ) -> tuple[torch.Tensor, dict[str, float]]:
     """Multi-agent DPO (:func:`dpo_loss`, ``algorithm.dpo.beta``) on rows that come in (preferred, rejected) pairs,
     the pair's offset in both rows' ``values``; a completion's log pi sums its trained tokens."""
-    sequence = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+    sequence = sequence_logprobs(logprobs, mask)
     losses = dpo_loss(sequence[0::2], sequence[1::2], values[0::2].to(sequence.dtype), config.dpo.beta)
     return losses.sum() / normalizer, {"clip_fraction": 0.0, "tokens": float(mask.sum())}

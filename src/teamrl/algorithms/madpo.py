@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from teamrl.algorithms.base import register_algorithm
+from teamrl.algorithms.losses import sequence_logprobs
 from teamrl.algorithms.magrpo import Rollout, UpdateStats, advantages, rollout_metrics
 from teamrl.algorithms.preferences import preference_pairs
 from teamrl.config import TrainConfig
@@ -76,8 +77,8 @@ class MADPO:
         for t, turn_pairs in pairs.items():
             turn = tree.turns[t]
             rows = [pair_rows(turn_pairs, turn.combos, i, config.num_generations) for i in range(num_agents)]
-            policy = sequence_logprobs(turn.generations, agents.logprobs(turn.generations))
-            reference = sequence_logprobs(turn.generations, agents.logprobs(turn.generations, reference=True))
+            policy = team_sequence_logprobs(turn.generations, agents.logprobs(turn.generations))
+            reference = team_sequence_logprobs(turn.generations, agents.logprobs(turn.generations, reference=True))
             # h_i per pair: agent i's log-ratio of its preferred part minus that of its rejected part
             ratios = [p - r for p, r in zip(policy, reference)]
             h = torch.stack([ratio[won] - ratio[lost] for ratio, (won, lost) in zip(ratios, rows)])  # (n, P)
@@ -108,9 +109,10 @@ def pair_rows(pairs: torch.Tensor, combos: torch.Tensor, agent: int,
     return group + combos[pairs[:, 1], agent], group + combos[pairs[:, 2], agent]
 
 
-def sequence_logprobs(generations: Sequence[Generation], token_logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per agent, the (B,) log-prob of each whole completion: the sum over its trained tokens, on the CPU."""
-    return [torch.where(gen.completion_mask.bool(), lp, torch.zeros_like(lp)).sum(dim=1).float().cpu()
+def team_sequence_logprobs(generations: Sequence[Generation],
+                           token_logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per agent, the (B,) log-prob of each of its whole completions (from its tokens'), on the CPU."""
+    return [sequence_logprobs(lp, gen.completion_mask.to(lp.device)).float().cpu()
             for gen, lp in zip(generations, token_logprobs)]
 
 
