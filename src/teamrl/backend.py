@@ -14,6 +14,7 @@ Three implementations:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,15 +44,18 @@ class AgentBackend(Protocol):
         prompted in its role; ``seed`` fixes the tokens (the same ones in every implementation)."""
         ...
 
-    def logprobs(self, generations: Sequence[Generation]) -> list[torch.Tensor]:
+    def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
         """For every agent i, the (B, C) log-probs of ``generations[i]``'s completion tokens under its
-        current policy (temperature-scaled, as sampled), without gradients."""
+        current policy (temperature-scaled, as sampled), or with ``reference`` under its frozen reference
+        policy, without gradients."""
         ...
 
     def update(self, generations: Sequence[list[Generation]], advantages: Sequence[list[torch.Tensor]],
-               seeds: Sequence[int]) -> list[dict[str, float]]:
+               seeds: Sequence[int], loss: str = "policy_gradient") -> list[dict[str, float]]:
         """Every agent's update of a step (agent i: its completions of every turn, their advantages, the
-        seed of whatever its update draws); each agent's statistics and the learning rate it leaves."""
+        seed of whatever its update draws); each agent's statistics and the learning rate it leaves.
+        ``loss``: the registered loss (:data:`~teamrl.algorithms.losses.LOSSES`) it minimises, whose per-row
+        values ``advantages`` holds."""
         ...
 
     def states(self) -> list[AgentState]:
@@ -85,13 +89,13 @@ class LocalBackend:
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
 
-    def logprobs(self, generations: Sequence[Generation]) -> list[torch.Tensor]:
-        return [policy_logprobs(agent, gen) for agent, gen in zip(self.team, generations)]
+    def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
+        return [policy_logprobs(agent, gen, reference) for agent, gen in zip(self.team, generations)]
 
     def update(self, generations: Sequence[list[Generation]], advantages: Sequence[list[torch.Tensor]],
-               seeds: Sequence[int]) -> list[dict[str, float]]:
+               seeds: Sequence[int], loss: str = "policy_gradient") -> list[dict[str, float]]:
         return train_agents(list(self.team), generations, advantages, self.optimizers, self.schedulers,
-                            self.config, seeds)
+                            self.config, seeds, loss)
 
     def states(self) -> list[AgentState]:
         return [agent_state(*live) for live in zip(self.team, self.optimizers, self.schedulers)]
@@ -131,9 +135,11 @@ def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr
 
 def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]],
                  advantages: Sequence[list[torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
-                 schedulers: Sequence[Any], config: TrainConfig, seeds: Sequence[int]) -> list[dict[str, float]]:
+                 schedulers: Sequence[Any], config: TrainConfig, seeds: Sequence[int],
+                 loss: str = "policy_gradient") -> list[dict[str, float]]:
     """The agents' updates of a step (paper Eq. 2, :func:`magrpo.update_agent`, or the same computed by
-    :mod:`~teamrl.algorithms.fast_update` with ``optim.fast_update``) with the run's settings; each agent's
+    :mod:`~teamrl.algorithms.fast_update` with ``optim.fast_update``; or the registered ``loss``, which both
+    run) with the run's settings; each agent's
     stats and the learning rate it leaves. The same call runs here and, for its one agent, in a Ray agent
     actor. Each update runs under its agent's own ``seeds[k]``, which seeds whatever it draws (dropout), so
     the result depends on the step alone: not on the process it runs in, nor on what ran before it. (Agents
@@ -148,22 +154,22 @@ def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]
                     [agents[k] for k in pool], [generations[k] for k in pool], [advantages[k] for k in pool],
                     [optimizers[k] for k in pool], [schedulers[k] for k in pool], config.algorithm,
                     micro_batch_size=optim.micro_batch_size, max_grad_norm=optim.max_grad_norm,
-                    parallel_micro_batches=optim.parallel_micro_batches)))
+                    parallel_micro_batches=optim.parallel_micro_batches, loss=loss)))
     else:
         for k, agent in enumerate(agents):
             with seeded(seeds[k], agent.parameters[0].device):
                 stats[k] = magrpo.update_agent(agent, generations[k], advantages[k], optimizers[k], schedulers[k],
                                                config.algorithm, micro_batch_size=optim.micro_batch_size,
-                                               max_grad_norm=optim.max_grad_norm)
+                                               max_grad_norm=optim.max_grad_norm, loss=loss)
     return [{**stats[k], "lr": schedulers[k].get_last_lr()[0]} for k in range(len(agents))]
 
 
-def policy_logprobs(agent: Agent, gen: Generation) -> torch.Tensor:
+def policy_logprobs(agent: Agent, gen: Generation, reference: bool = False) -> torch.Tensor:
     """(B, C) log-probs of ``gen``'s completion tokens under ``agent``'s current policy (temperature-scaled,
-    as sampled), without gradients."""
+    as sampled), or with ``reference`` under its frozen reference (:meth:`Agent.reference`), without gradients."""
     agent.activate()
-    with torch.no_grad():
-        return token_logprobs(agent.model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
+    with torch.no_grad(), (agent.reference() if reference else contextlib.nullcontext(agent.model)) as model:
+        return token_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask,
                               temperature=agent.sampling.temperature)
 
 
@@ -179,7 +185,7 @@ def make_backend(config: TrainConfig, env: Environment, team: Team | None = None
 
         return RayTeam(config, env)
     if team is None:
-        team = Team.from_config(config.team, env, seed=config.seed, need_reference=config.algorithm.kl_coef > 0)
+        team = Team.from_config(config.team, env, seed=config.seed, need_reference=config.algorithm.uses_reference)
     if config.rollout.backend == "vllm":
         from teamrl.rollout.vllm_backend import VLLMBackend
 

@@ -143,7 +143,8 @@ class EnvConfig:
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
 #: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "iac", "maac")
+ALGORITHM_NAMES = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "iac", "maac", "madpo",
+                   "marlhf")
 
 #: The algorithms that are MAGRPO with their own advantage estimator (CoMLRL's trainers of those names):
 #: ``algorithm.name: marloo`` says what ``name: magrpo, advantage: rloo`` says, and an ``algorithm.advantage``
@@ -175,11 +176,60 @@ class CriticConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """How 'madpo' and 'marlhf' pair the joint actions of a group into preferences."""
+
+    pairs: Literal["best_worst", "all"] = _doc(
+        "Pairs per group: 'best_worst' (its best against its worst joint action) or 'all' ordered pairs.",
+        "best_worst",
+    )
+    min_gap: float = _doc("A pair needs winner's value - loser's > min_gap; ties never pair (docs/algorithm.md).", 0.0)
+
+    def validate(self, path: str) -> None:
+        _check(self.min_gap >= 0, f"{path}.min_gap", "must be >= 0 (ties never make a pair)", self.min_gap)
+
+
+@dataclass
+class DPOConfig:
+    """The multi-agent DPO loss of 'madpo'."""
+
+    beta: float = _doc("DPO's beta: scale of the implicit reward beta * log(pi / pi_ref); larger = closer to pi_ref.",
+                       0.1)
+    coupling: Literal["joint", "independent"] = _doc(
+        "'joint': DPO on the team's joint log-ratio; 'independent': each agent's own (docs/algorithm.md#madpo).",
+        "joint",
+    )
+
+    def validate(self, path: str) -> None:
+        _check(self.beta > 0, f"{path}.beta", "must be > 0", self.beta)
+
+
+@dataclass
+class RewardModelConfig:
+    """The joint reward model of 'marlhf', learned from preferences between joint actions."""
+
+    model: str = _doc("Its base model (a spec as team.model takes); empty = team.model.", "")
+    steps: int = _doc("Training steps that only collect preferences and train the reward model; then RL begins.", 10)
+    refresh_every: int = _doc("After those steps, label a rollout and train the reward model every N steps; 0 = never.",
+                              0)
+    epochs: int = _doc("Reward-model optimiser steps on each labelled step's pairs.", 1)
+    lr: float = _doc("The reward model's AdamW learning rate.", 1e-4)
+
+    def validate(self, path: str) -> None:
+        _check(self.steps >= 1, f"{path}.steps", "must be >= 1: the reward model needs preferences first", self.steps)
+        _check(self.refresh_every >= 0, f"{path}.refresh_every", "must be >= 0 (0 = never)", self.refresh_every)
+        _check(self.epochs >= 1, f"{path}.epochs", "must be >= 1", self.epochs)
+        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        if self.model:
+            _check_model_spec(self.model, f"{path}.model")
+
+
+@dataclass
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652), its variants and the other algorithms (docs/algorithm.md)."""
 
-    name: str = _doc("Training algorithm: 'magrpo', 'mareinforce', 'marloo', 'maremax', 'centralized', 'iac' or "
-                     "'maac' (docs/algorithm.md#algorithms).", "magrpo")
+    name: str = _doc("Training algorithm: 'magrpo', 'mareinforce', 'marloo', 'maremax', 'centralized', 'iac', "
+                     "'maac', 'madpo' or 'marlhf' (docs/algorithm.md#algorithms).", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -207,11 +257,20 @@ class AlgorithmConfig:
     )
     critic: CriticConfig = _doc("The critic of 'iac' and 'maac' (docs/algorithm.md#actor-critic).",
                                 factory=CriticConfig)
+    preference: PreferenceConfig = _doc("'madpo', 'marlhf': pairing joint actions into preferences.",
+                                        factory=PreferenceConfig)
+    dpo: DPOConfig = _doc("'madpo': the DPO loss.", factory=DPOConfig)
+    reward_model: RewardModelConfig = _doc("'marlhf': the learned joint reward model.", factory=RewardModelConfig)
 
     @property
     def advantage_estimator(self) -> str:
         """The advantage estimator the run uses: the algorithm's fixed one, ``advantage``, or 'mean'."""
         return FIXED_ADVANTAGES.get(self.name) or self.advantage or "mean"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the update reads each agent's frozen reference policy (the KL penalty, or DPO's log-ratios)."""
+        return self.kl_coef > 0 or self.name == "madpo"
 
     def validate(self, path: str) -> None:
         _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
@@ -234,6 +293,18 @@ class AlgorithmConfig:
         _check(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
         _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
         self.critic.validate(f"{path}.critic")
+        self.preference.validate(f"{path}.preference")
+        self.dpo.validate(f"{path}.dpo")
+        self.reward_model.validate(f"{path}.reward_model")
+        if self.name in ("madpo", "marlhf"):
+            _check(self.learners == "joint", f"{path}.learners",
+                   f"must be 'joint' with {self.name}: its preferences compare joint rewards", self.learners)
+        if self.name == "madpo":
+            _check(self.kl_coef == 0, f"{path}.kl_coef",
+                   "must be 0 with madpo: DPO's beta already keeps each agent near its reference", self.kl_coef)
+            _check(self.logprob_aggregation == "token_sum", f"{path}.logprob_aggregation",
+                   "must be 'token_sum' with madpo: DPO compares whole completions' log-probs",
+                   self.logprob_aggregation)
 
 
 @dataclass

@@ -88,6 +88,26 @@ def test_ray_run_matches_the_single_process_run(local_ray, tiny_config_data, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_madpo_under_ray_matches_the_single_process_run(local_ray, tiny_config_data, tmp_path):
+    # MADPO reads every agent's reference log-probs through the backend and updates on the 'dpo' loss: under
+    # Ray each actor keeps its reference copy and runs that loss, to the single-process numbers.
+    def config(run_dir, backend):
+        return config_from_dict(tiny_config_data(steps=2, run_dir=str(run_dir), algorithm={"name": "madpo"},
+                                                 distributed={"backend": backend, "cpus_per_agent": 0.5}))
+
+    local = Trainer(config(tmp_path / "local", "local"))
+    expected = [local.train_step() for _ in range(2)]
+    remote = Trainer(config(tmp_path / "ray", "ray"))
+    try:
+        actual = [remote.train_step() for _ in range(2)]
+        _assert_same_metrics(expected, actual)
+        assert all(step["preference/pairs"] > 0 and step["first/grad_norm"] > 0 for step in actual)
+    finally:
+        remote.team.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_ray_checkpoints_resume_and_saved_team_are_the_local_format(local_ray, tiny_config_data, tmp_path):
     # A Ray run checkpoints step 2 and saves its team; a local run resumes from that checkpoint and a Ray
     # run from a copy of it: both take step 3 to the same numbers.

@@ -53,7 +53,8 @@ register_algorithm = registrar(ALGORITHMS)
 _BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "mareinforce": "teamrl.algorithms.magrpo",
                     "marloo": "teamrl.algorithms.magrpo", "maremax": "teamrl.algorithms.magrpo",
                     "centralized": "teamrl.algorithms.centralized", "iac": "teamrl.algorithms.actor_critic",
-                    "maac": "teamrl.algorithms.actor_critic"}
+                    "maac": "teamrl.algorithms.actor_critic", "madpo": "teamrl.algorithms.madpo",
+                    "marlhf": "teamrl.algorithms.marlhf"}
 
 
 def algorithm_class(name: str) -> type:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from teamrl.algorithms.logprobs import token_logprobs
-from teamrl.algorithms.losses import loss_normalizer, policy_loss
+from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
 from teamrl.algorithms.magrpo import UpdateStats, clip_gradients, micro_batches
 from teamrl.config import AlgorithmConfig
 from teamrl.models.lora import active_adapter_fused, adapter_in_this_thread, plain_lora_layers
@@ -43,11 +43,12 @@ def update_agent(
     micro_batch_size: int = 0,
     max_grad_norm: float | None = None,
     parallel_micro_batches: int = 1,
+    loss: str = "policy_gradient",
 ) -> dict[str, float]:
     """:func:`teamrl.algorithms.magrpo.update_agent`, fast: :func:`update_agents` with this agent alone."""
     return update_agents([agent], [generations], [advantages], [optimizer], [scheduler], config,
                          micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
-                         parallel_micro_batches=parallel_micro_batches)[0]
+                         parallel_micro_batches=parallel_micro_batches, loss=loss)[0]
 
 
 def update_agents(
@@ -61,9 +62,10 @@ def update_agents(
     micro_batch_size: int = 0,
     max_grad_norm: float | None = None,
     parallel_micro_batches: int = 1,
+    loss: str = "policy_gradient",
 ) -> list[dict[str, float]]:
     """:func:`teamrl.algorithms.magrpo.update_agent` for each agent (agent k: ``generations[k]``,
-    ``advantages[k]``, its own optimiser), with every agent's micro-batches in one pool.
+    ``advantages[k]``, its own optimiser, the registered ``loss``), with every agent's micro-batches in one pool.
 
     ``parallel_micro_batches`` > 1 runs that many micro-batches at once on CPU threads (see
     :func:`_parallel_micro_batches`); each agent's gradients add up in its micro-batch order whichever
@@ -75,19 +77,20 @@ def update_agents(
     if len(agents) > 1 and not _poolable(agents):
         raise ValueError("update_agents: several agents pool only as plain LoRA adapters of one shared model; "
                          "update the others one at a time (update_pools says which pool)")
+    objective = update_loss(loss)
     batches, todo, ref_logprobs, normalizers = [], [], {}, []
     for k, (agent, agent_generations, turn_advantages) in enumerate(zip(agents, generations, advantages)):
         agent.activate()
         agent_batches = [
             (gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
             for gen, adv in zip(agent_generations, turn_advantages)
-            for start, stop in micro_batches(adv.shape[0], micro_batch_size)
+            for start, stop in micro_batches(adv.shape[0], micro_batch_size, objective.rows_per_example)
         ]
         # A zero advantage contributes exactly zero gradient: without a KL term, skip its forward pass.
-        todo += [(k, b) for b, (_, adv) in enumerate(agent_batches) if config.kl_coef > 0 or adv.any()]
+        todo += [(k, b) for b, (_, adv) in enumerate(agent_batches) if contributes(objective, adv, config.kl_coef)]
         batches.append(agent_batches)
         normalizers.append(loss_normalizer([gen.completion_mask for gen in agent_generations],
-                                           config.logprob_aggregation))
+                                           config.logprob_aggregation, objective.rows_per_example))
         if config.kl_coef > 0:  # before the threads start: the reference switches the whole (shared) model
             with torch.no_grad(), agent.reference() as reference:
                 for job in todo:
@@ -120,16 +123,13 @@ def update_agents(
             logprobs = token_logprobs(model, *inputs, temperature=agent.sampling.temperature, stem=stems[k])
         # No update has happened yet in the first pass, so the current policy is the sampling one.
         old = old_logprobs.setdefault(job, logprobs.detach())
-        loss, stats = policy_loss(
-            logprobs, old, adv_rows, inputs[3],
-            aggregation=config.logprob_aggregation, normalizer=normalizers[k],
-            epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-            ref_logprobs=ref_logprobs.get(job), kl_coef=config.kl_coef,
-        )
+        batch_loss, stats = objective.compute(logprobs, old, adv_rows, inputs[3], config=config,
+                                              normalizer=normalizers[k], ref_logprobs=ref_logprobs.get(job))
         if threads == 1:
-            loss.backward()
-            return float(loss.detach()), stats, None
-        return float(loss.detach()), stats, torch.autograd.grad(loss, gradient_targets(k), allow_unused=True)
+            batch_loss.backward()
+            return float(batch_loss.detach()), stats, None
+        return (float(batch_loss.detach()), stats,
+                torch.autograd.grad(batch_loss, gradient_targets(k), allow_unused=True))
 
     tallies = [UpdateStats(config.num_iterations) for _ in agents]
     model.train()

@@ -1,17 +1,28 @@
-"""The per-agent policy loss (paper Eq. 2) with PPO-style clipping and an optional KL penalty.
+"""The losses an agent's update minimises, selectable by name (:data:`LOSSES`), and their pieces.
 
-With one pass over the rollout the ratio is exactly 1 and the gradient is that of
-A * log pi(a | o): Eq. 2. Later passes over the same rollout are off-policy and the clipped ratio
-keeps them close to the sampling policy.
+``policy_gradient``, the per-agent policy loss of paper Eq. 2 with PPO-style clipping and an optional KL
+penalty: with one pass over the rollout the ratio is exactly 1 and the gradient is that of
+A * log pi(a | o). Later passes over the same rollout are off-policy and the clipped ratio keeps them close
+to the sampling policy. ``dpo``, multi-agent DPO's loss on pairs of completions (:mod:`teamrl.algorithms.madpo`).
+
+Both update paths (:func:`teamrl.algorithms.magrpo.update_agent` and :mod:`teamrl.algorithms.fast_update`)
+run whichever loss ``AgentBackend.update(..., loss=name)`` names, on micro-batches of rows that each carry
+one value (the advantage of ``policy_gradient``, the pair's offset of ``dpo``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from teamrl.registry import registrar
+
+if TYPE_CHECKING:
+    from teamrl.config import AlgorithmConfig
 
 Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 AGGREGATIONS: dict[str, Aggregation] = {}
@@ -35,15 +46,16 @@ def sequence_mean(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 AGGREGATIONS["token_mean"] = token_sum
 
 
-def loss_normalizer(masks: list[torch.Tensor], aggregation: str) -> float:
-    """What the summed loss of a whole update is divided by: its token count for 'token_mean', else its sequences.
+def loss_normalizer(masks: list[torch.Tensor], aggregation: str, rows_per_example: int = 1) -> float:
+    """What the summed loss of a whole update is divided by: its token count for 'token_mean', else its examples
+    (sequences, or pairs of them for a loss with ``rows_per_example`` = 2).
 
     Computed once over all micro-batches, so accumulating micro-batch gradients gives exactly the
     gradient of the full batch.
     """
     if aggregation == "token_mean":
         return float(sum(int(m.sum()) for m in masks))
-    return float(sum(m.shape[0] for m in masks))
+    return float(sum(m.shape[0] for m in masks)) / rows_per_example
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -105,3 +117,82 @@ def policy_loss(
         if kl is not None:
             stats["kl"] = float(kl.sum() / tokens)
     return loss, stats
+
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class UpdateLoss:
+    """A loss an agent's update can minimise, and what the update loops need to know about it."""
+
+    compute: LossFn
+    """``(logprobs, old_logprobs, values, mask, *, config, normalizer, ref_logprobs)`` -> one micro-batch's loss
+    (already divided by ``normalizer``) and its statistics, with at least ``clip_fraction`` and ``tokens``."""
+    rows_per_example: int = 1
+    """Rows one term of the loss reads together (2: a preferred and a rejected completion); micro-batches
+    never split them, and :func:`loss_normalizer` counts examples."""
+    linear_in_values: bool = True
+    """All-zero values give exactly zero gradient (without a KL term): the update skips such a micro-batch."""
+
+
+LOSSES: dict[str, UpdateLoss] = {}
+
+
+def register_loss(name: str, *, rows_per_example: int = 1, linear_in_values: bool = True) -> Callable[[LossFn], LossFn]:
+    """``@register_loss(name)``: make a loss function selectable as ``AgentBackend.update(..., loss=name)``."""
+
+    def wrap(fn: LossFn) -> LossFn:
+        LOSSES[name] = UpdateLoss(fn, rows_per_example, linear_in_values)
+        return fn
+
+    return wrap
+
+
+def update_loss(name: str) -> UpdateLoss:
+    """The registered loss ``name``."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown update loss {name!r}; registered: {', '.join(LOSSES)}")
+    return LOSSES[name]
+
+
+def contributes(loss: UpdateLoss, values: torch.Tensor, kl_coef: float) -> bool:
+    """Whether a micro-batch with these values can move the weights (a zero advantage cannot, without KL)."""
+    return kl_coef > 0 or not loss.linear_in_values or bool(values.any())
+
+
+@register_loss("policy_gradient")
+def policy_gradient(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+                    config: AlgorithmConfig, normalizer: float, ref_logprobs: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Paper Eq. 2 (:func:`policy_loss`) with the run's settings; ``values`` are the rows' advantages."""
+    return policy_loss(logprobs, old_logprobs, values, mask, aggregation=config.logprob_aggregation,
+                       normalizer=normalizer, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                       ref_logprobs=ref_logprobs, kl_coef=config.kl_coef)
+
+
+def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) log pi of each whole completion: the sum of its trained tokens' (B, C) log-probs (the others are
+    replaced, not multiplied: they may hold -inf)."""
+    return torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=1)
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, offsets: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per pair, -log sigma(beta * (chosen - rejected + offset)).
+
+    ``chosen``, ``rejected``: the trained agent's log pi of its part of the preferred and of the rejected joint
+    action; ``offsets``: every other term of the margin, constants of this update (minus the agent's reference
+    log-ratio, and under 'joint' coupling the other agents' log-ratio margins: :mod:`teamrl.algorithms.madpo`).
+    """
+    return -F.logsigmoid(beta * (chosen - rejected + offsets))
+
+
+@register_loss("dpo", rows_per_example=2, linear_in_values=False)
+def dpo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
+        config: AlgorithmConfig, normalizer: float, ref_logprobs: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Multi-agent DPO (:func:`dpo_loss`, ``algorithm.dpo.beta``) on rows that come in (preferred, rejected) pairs,
+    the pair's offset in both rows' ``values``; a completion's log pi sums its trained tokens."""
+    sequence = sequence_logprobs(logprobs, mask)
+    losses = dpo_loss(sequence[0::2], sequence[1::2], values[0::2].to(sequence.dtype), config.dpo.beta)
+    return losses.sum() / normalizer, {"clip_fraction": 0.0, "tokens": float(mask.sum())}

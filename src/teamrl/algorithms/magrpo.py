@@ -34,7 +34,7 @@ import torch
 from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
 from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.logprobs import completion_logprobs
-from teamrl.algorithms.losses import loss_normalizer, policy_loss
+from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
 from teamrl.config import AlgorithmConfig, TrainConfig
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
@@ -196,16 +196,21 @@ def update_agent(
     *,
     micro_batch_size: int = 0,
     max_grad_norm: float | None = None,
+    loss: str = "policy_gradient",
 ) -> dict[str, float]:
     """Paper Eq. 2 for one agent: ``num_iterations`` steps of its own optimiser on its completions of every
     turn (``generations[t]``, with their advantages ``advantages[t]``), ``micro_batch_size`` rows per
-    forward pass. :mod:`teamrl.algorithms.fast_update` computes the same, faster (``optim.fast_update``)."""
+    forward pass. :mod:`teamrl.algorithms.fast_update` computes the same, faster (``optim.fast_update``).
+    ``loss`` names another loss of :data:`~teamrl.algorithms.losses.LOSSES` to minimise instead, whose
+    per-row values ``advantages`` then holds (e.g. 'dpo')."""
+    objective = update_loss(loss)
     batches = [(gen.rows(start, stop).trimmed(), adv[start:stop].to(gen.completion_ids.device))
                for gen, adv in zip(generations, advantages)
-               for start, stop in micro_batches(len(adv), micro_batch_size)]
+               for start, stop in micro_batches(len(adv), micro_batch_size, objective.rows_per_example)]
     # A zero advantage gives exactly zero gradient: without a KL term, its forward pass is skipped.
-    batches = [(gen, adv) for gen, adv in batches if config.kl_coef > 0 or adv.any()]
-    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation)
+    batches = [(gen, adv) for gen, adv in batches if contributes(objective, adv, config.kl_coef)]
+    normalizer = loss_normalizer([gen.completion_mask for gen in generations], config.logprob_aggregation,
+                                 objective.rows_per_example)
     temperature = agent.sampling.temperature
     reference: list[torch.Tensor | None] = [None] * len(batches)
     if config.kl_coef > 0:
@@ -221,12 +226,11 @@ def update_agent(
             logprobs = completion_logprobs(agent.model, gen, temperature)  # log pi_theta_i(a_i^g | o_i)
             if old[b] is None:
                 old[b] = logprobs.detach()  # before the first step, the policy is the one that sampled
-            loss, batch_stats = policy_loss(  # -mean_g A_g * ratio, clipped (Eq. 2), + KL to the reference
-                logprobs, old[b], adv, gen.completion_mask, aggregation=config.logprob_aggregation,
-                normalizer=normalizer, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-                ref_logprobs=reference[b], kl_coef=config.kl_coef)
-            loss.backward()
-            stats.add(float(loss.detach()), batch_stats)
+            # Eq. 2: -mean_g A_g * ratio, clipped, + KL to the reference (or the loss named by ``loss``)
+            batch_loss, batch_stats = objective.compute(logprobs, old[b], adv, gen.completion_mask, config=config,
+                                                        normalizer=normalizer, ref_logprobs=reference[b])
+            batch_loss.backward()
+            stats.add(float(batch_loss.detach()), batch_stats)
         stats.end_step(clip_gradients(agent.parameters, max_grad_norm))
         optimizer.step()
         scheduler.step()
@@ -234,10 +238,11 @@ def update_agent(
     return stats.result()
 
 
-def micro_batches(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
+def micro_batches(size: int, micro_batch_size: int, rows_per_example: int = 1) -> list[tuple[int, int]]:
     """(start, stop) of consecutive row ranges; each runs as its own forward pass without the padding
-    columns none of its rows needs (``Generation.rows(...).trimmed()``)."""
-    step = micro_batch_size or size
+    columns none of its rows needs (``Generation.rows(...).trimmed()``). A range holds whole examples of
+    ``rows_per_example`` rows (``micro_batch_size`` rounded up to a multiple of it)."""
+    step = -(-micro_batch_size // rows_per_example) * rows_per_example or size
     return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 

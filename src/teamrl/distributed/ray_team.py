@@ -73,7 +73,7 @@ class AgentWorker:
         agent_config = config.team.agents[index]
         team_config = dataclasses.replace(config.team, agents=[agent_config])
         self.agent = Team.from_config(team_config, seat, seed=config.seed,  # type: ignore[arg-type]
-                                      need_reference=config.algorithm.kl_coef > 0)[0]
+                                      need_reference=config.algorithm.uses_reference)[0]
         self.optimizer, self.scheduler = make_optimizer(self.agent.parameters, config, agent_config.lr)
         self.config = config
 
@@ -82,15 +82,18 @@ class AgentWorker:
         prompts = [self.agent.prompt(observation) for observation in observations]
         return _moved(generate(self.agent, prompts, num_samples, seed=seed), "cpu")
 
-    def logprobs(self, generation: Generation) -> torch.Tensor:
-        """The log-probs of ``generation``'s completion tokens under the agent's current policy, on the CPU."""
-        return policy_logprobs(self.agent, _moved(generation, self.agent.parameters[0].device)).cpu()
+    def logprobs(self, generation: Generation, reference: bool = False) -> torch.Tensor:
+        """The log-probs of ``generation``'s completion tokens under the agent's current policy (or its
+        reference), on the CPU."""
+        return policy_logprobs(self.agent, _moved(generation, self.agent.parameters[0].device), reference).cpu()
 
-    def update(self, generations: list[Generation], advantages: list[torch.Tensor], seed: int) -> dict[str, float]:
-        """The agent's update of a step (its completions of every turn and their advantages); its stats."""
+    def update(self, generations: list[Generation], advantages: list[torch.Tensor], seed: int,
+               loss: str = "policy_gradient") -> dict[str, float]:
+        """The agent's update of a step (its completions of every turn and their advantages, the registered
+        ``loss``); its stats."""
         device = self.agent.parameters[0].device
         return train_agents([self.agent], [[_moved(g, device) for g in generations]], [advantages], [self.optimizer],
-                            [self.scheduler], self.config, [seed])[0]
+                            [self.scheduler], self.config, [seed], loss)[0]
 
     def state(self) -> AgentState:
         """Trained parameters and optimiser and schedule state, for the driver's checkpoint."""
@@ -159,15 +162,17 @@ class RayTeam:
         return ray.get([actor.generate.remote(list(obs), num_samples, derive_seed(seed, i))
                         for i, (actor, obs) in enumerate(zip(self._actors, observations))])
 
-    def logprobs(self, generations: Sequence[Generation]) -> list[torch.Tensor]:
-        """Every agent's log-probs of its completions ``generations[i]``, computed in the actors at once."""
-        return ray.get([actor.logprobs.remote(gen) for actor, gen in zip(self._actors, generations)])
+    def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
+        """Every agent's log-probs of its completions ``generations[i]`` (under its reference, with
+        ``reference``), computed in the actors at once."""
+        return ray.get([actor.logprobs.remote(gen, reference) for actor, gen in zip(self._actors, generations)])
 
     def update(self, generations: Sequence[list[Generation]], advantages: Sequence[list[torch.Tensor]],
-               seeds: Sequence[int]) -> list[dict[str, float]]:
-        """Every agent's update (agent i: its completions of every turn, their advantages, its seed), at once."""
-        return ray.get([actor.update.remote(agent_generations, agent_advantages, seed) for actor, agent_generations,
-                        agent_advantages, seed in zip(self._actors, generations, advantages, seeds)])
+               seeds: Sequence[int], loss: str = "policy_gradient") -> list[dict[str, float]]:
+        """Every agent's update (agent i: its completions of every turn, their advantages, its seed; the
+        registered ``loss``), at once."""
+        return ray.get([actor.update.remote(agent_generations, agent_advantages, seed, loss) for actor,
+                        agent_generations, agent_advantages, seed in zip(self._actors, generations, advantages, seeds)])
 
     def states(self) -> list[AgentState]:
         """Every agent's checkpoint state, in seat order."""
