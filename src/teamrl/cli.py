@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="teamrl", description="Train teams of LLM agents with MAGRPO.")
+    parser = argparse.ArgumentParser(prog="teamrl", description="Train teams of LLM agents with MAGRPO and its family.")
     parser.add_argument("--version", action="version", version=f"teamrl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     # What the commands that load models share.
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                               help="keep the libraries' own output (transformers' progress bars, warnings)")
 
     train = commands.add_parser("train", parents=[loads_models], help="train a team", description=(
-        "Train a team with MAGRPO. Fields of the YAML config can be overridden with key=value, "
-        "e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
+        "Train a team (MAGRPO, or the algorithm.name given). Fields of the YAML config can be overridden "
+        "with key=value, e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
         "Ctrl-C (or SIGTERM) stops at the end of the step under way, saves a checkpoint and prints the "
         "command that resumes."))
     train.add_argument("config", nargs="?",

@@ -82,7 +82,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class Trainer:
-    """Trains a team with MAGRPO as ``config`` says.
+    """Trains a team with the algorithm ``config`` names (MAGRPO by default), as ``config`` says.
 
     ``team`` and ``env`` may be given directly (Python API); otherwise they are built from the config.
     The Trainer reaches the agents only through :attr:`agents`, an :class:`~teamrl.backend.AgentBackend`:
@@ -403,7 +403,8 @@ def _progress(config: TrainConfig, initial: int):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=config.steps, initial=initial, desc="MAGRPO", unit="step", dynamic_ncols=True)
+    return tqdm(total=config.steps, initial=initial, desc=config.algorithm.name.upper(), unit="step",
+                dynamic_ncols=True)
 
 
 def _require(package: str, field: str) -> None:
