@@ -71,6 +71,21 @@ def lora_team(tiny_config):
     return make
 
 
+@pytest.fixture
+def train_and_evaluate():
+    """``train_and_evaluate(config)`` -> (held-out reward before, after, every step's metrics): a learning test's
+    run, ``config.steps`` steps between two evaluations of 4 samples per held-out item."""
+    from teamrl.train import Trainer
+
+    def run(config):
+        with Trainer(config) as trainer:
+            before = trainer.evaluate(num_samples=4)["reward/mean"]
+            history = [trainer.train_step() for _ in range(config.steps)]
+            return before, trainer.evaluate(num_samples=4)["reward/mean"], history
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     # teamrl.cli.main, called in-process by some tests, sets the libraries' quiet settings in os.environ;

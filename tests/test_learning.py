@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from teamrl.train import Trainer
-
 SEEDS = [0, 1, 2]
-
-
-def _train_and_evaluate(config):
-    trainer = Trainer(config)
-    before = trainer.evaluate(num_samples=4)["reward/mean"]
-    history = []
-    for _ in range(config.steps):
-        history.append(trainer.train_step())
-    after = trainer.evaluate(num_samples=4)["reward/mean"]
-    return before, after, history
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
-def test_single_turn_team_learns_to_cooperate(tiny_config, seed):
+def test_single_turn_team_learns_to_cooperate(tiny_config, train_and_evaluate, seed):
     config = tiny_config(seed=seed, steps=60)
-    before, after, history = _train_and_evaluate(config)
+    before, after, history = train_and_evaluate(config)
     assert before < 0.3, f"untrained team already scores {before:.2f}: the game is too easy to test learning"
     # The optimum is 1.0; a run may settle just below 0.9 (one seed in eight of 0-7 does, whichever way the
     # tokens are drawn: seed 5 with transformers' multinomial sampling, seed 2 with teamrl's own sampler).
@@ -34,9 +22,9 @@ def test_single_turn_team_learns_to_cooperate(tiny_config, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
-def test_two_turn_team_learns_at_both_turns(tiny_config, seed):
+def test_two_turn_team_learns_at_both_turns(tiny_config, train_and_evaluate, seed):
     config = tiny_config(seed=seed, steps=60, algorithm={"num_generations": 4, "num_turns": 2})
-    before, after, history = _train_and_evaluate(config)
+    before, after, history = train_and_evaluate(config)
     assert before < 0.3
     first_turn = sum(h["reward/turn1/mean"] for h in history[-5:]) / 5
     second_turn = sum(h["reward/turn2/mean"] for h in history[-5:]) / 5

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from teamrl.train import Trainer
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_maremax_team_learns_to_cooperate(tiny_config, seed):
+def test_maremax_team_learns_to_cooperate(tiny_config, train_and_evaluate, seed):
     # Measured (seeds 0-4, 60 steps, G = 8): held-out 0.10-0.19 before, 0.88-1.00 after (mean 0.97);
     # CoMLRL's R - max R baseline: 0.88-0.99 (mean 0.92); MAGRPO's mean baseline (tests/test_learning.py): > 0.85.
-    trainer = Trainer(tiny_config(seed=seed, steps=60, algorithm={"name": "maremax"}))
-    before = trainer.evaluate(num_samples=4)["reward/mean"]
-    history = [trainer.train_step() for _ in range(60)]
-    after = trainer.evaluate(num_samples=4)["reward/mean"]
-    trainer.close()
+    before, after, history = train_and_evaluate(tiny_config(seed=seed, steps=60, algorithm={"name": "maremax"}))
     assert before < 0.3, f"untrained team already scores {before:.2f}"
     assert after > 0.75, f"seed {seed}: held-out joint reward only went {before:.2f} -> {after:.2f}"
     assert history[-1]["reward/mean"] > 0.75

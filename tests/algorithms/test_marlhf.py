@@ -93,15 +93,12 @@ def test_an_agent_named_like_the_reward_model_is_refused(tiny_config):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_marlhf_team_learns_digit_sum_from_learned_rewards(tiny_config, seed):
+def test_marlhf_team_learns_digit_sum_from_learned_rewards(tiny_config, train_and_evaluate, seed):
     # 10 steps of preferences from the untrained team, then 60 of MAGRPO on the learned reward, whose
     # preferences are refreshed every second step.
     algorithm = {"name": "marlhf", "preference": {"pairs": "all"},
                  "reward_model": {"steps": 10, "refresh_every": 2, "lr": 1e-3}}
-    trainer = Trainer(tiny_config(seed=seed, steps=70, algorithm=algorithm))
-    before = trainer.evaluate(num_samples=4)["reward/mean"]
-    history = [trainer.train_step() for _ in range(trainer.config.steps)]
-    after = trainer.evaluate(num_samples=4)["reward/mean"]
+    before, after, history = train_and_evaluate(tiny_config(seed=seed, steps=70, algorithm=algorithm))
     assert before < 0.3
     # Measured: 0.19 -> 1.00, 0.12 -> 1.00, 0.14 -> 1.00 (seeds 0, 1, 2); MAGRPO's test asks for the same 0.85.
     assert after > 0.85, f"seed {seed}: held-out joint reward only went {before:.2f} -> {after:.2f}"
