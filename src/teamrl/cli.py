@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "show the held-out joint reward before and after.")
     demo.add_argument("overrides", nargs="*", help="field=value overrides of the demo config")
     demo.add_argument("--config", default=None, help="a config file instead of the built-in demo preset")
-    demo.add_argument("--eval-items", type=int, default=16, help="held-out items scored before and after training")
+    demo.add_argument("--eval-items", type=int, default=32, help="held-out items scored before and after training")
     demo.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
     demo.add_argument("--eval-seed", type=int, default=0,
                       help="sampling seed of the held-out evaluation (kept apart from the training seed)")

@@ -19,7 +19,7 @@ DEMO_PRESET = "demo_tldr_cpu"
 
 
 def run_demo(config_path: str | None = None, overrides: list[str] | None = None, *,
-             eval_items: int = 16, eval_samples: int = 2, eval_seed: int = 0, overwrite: bool = False) -> int:
+             eval_items: int = 32, eval_samples: int = 2, eval_seed: int = 0, overwrite: bool = False) -> int:
     """Run the demo; returns the process exit code. ``overwrite``: replace an earlier run in the run directory.
 
     The held-out evaluation samples with ``eval_seed``, not the training seed: runs with different
