@@ -45,6 +45,17 @@ class Algorithm(Protocol):
         ...
 
 
+class TrainsTheAgentsOnly:
+    """:meth:`Algorithm.states` and :meth:`Algorithm.load_states` of an algorithm that trains the agents and
+    nothing else: it adds nothing to the checkpoints."""
+
+    def states(self) -> dict[str, AgentState]:
+        return {}
+
+    def load_states(self, states: dict[str, AgentState], source: str | Path) -> None:
+        pass
+
+
 ALGORITHMS: dict[str, type] = {}
 register_algorithm = registrar(ALGORITHMS)
 """``@register_algorithm(name)``: make an :class:`Algorithm` class selectable as ``algorithm.name``."""

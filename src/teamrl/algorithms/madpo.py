@@ -32,13 +32,12 @@ ends each completion at the first pad token; docs/algorithm.md#madpo lists the d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from teamrl.algorithms.base import register_algorithm
+from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.losses import sequence_logprobs
 from teamrl.algorithms.magrpo import Rollout, UpdateStats, advantages, rollout_metrics
 from teamrl.algorithms.preferences import preference_pairs
@@ -48,11 +47,10 @@ from teamrl.rollout.generate import Generation
 
 if TYPE_CHECKING:
     from teamrl.backend import AgentBackend
-    from teamrl.checkpoint import AgentState
 
 
 @register_algorithm("madpo")
-class MADPO:
+class MADPO(TrainsTheAgentsOnly):
     """The learning half of a MADPO step (:class:`~teamrl.algorithms.base.Algorithm`): preference pairs of the
     rollout's joint actions, then every agent's DPO update through its backend."""
 
@@ -94,11 +92,6 @@ class MADPO:
             metrics.update({f"{name}/{key}": value for key, value in stats.items()})
         return metrics
 
-    def states(self) -> dict[str, AgentState]:
-        return {}  # MADPO trains the agents and nothing else
-
-    def load_states(self, states: dict[str, AgentState], source: str | Path) -> None:
-        pass
 
 
 def pair_rows(pairs: torch.Tensor, combos: torch.Tensor, agent: int,

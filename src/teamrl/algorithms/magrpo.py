@@ -26,13 +26,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
-from teamrl.algorithms.base import register_algorithm
+from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
 from teamrl.config import AlgorithmConfig, TrainConfig
@@ -43,7 +42,6 @@ from teamrl.team import Agent, Team
 
 if TYPE_CHECKING:
     from teamrl.backend import AgentBackend
-    from teamrl.checkpoint import AgentState
 
 
 @dataclass
@@ -145,7 +143,7 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
 @register_algorithm("mareinforce")
 @register_algorithm("marloo")
 @register_algorithm("maremax")
-class MAGRPO:
+class MAGRPO(TrainsTheAgentsOnly):
     """The learning half of a MAGRPO step (:class:`~teamrl.algorithms.base.Algorithm`): returns and Eq. 1's
     advantages over the tree (:func:`advantages`), then every agent's Eq. 2 update through its backend.
 
@@ -165,11 +163,6 @@ class MAGRPO:
             metrics.update({f"{name}/{key}": value for key, value in stats.items()})
         return metrics
 
-    def states(self) -> dict[str, AgentState]:
-        return {}  # MAGRPO trains the agents and nothing else
-
-    def load_states(self, states: dict[str, AgentState], source: str | Path) -> None:
-        pass
 
 
 def advantages(tree: Rollout, num_agents: int,
