@@ -5,23 +5,14 @@ The training runs themselves (the bundled model, minutes each) are not run here.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "joint_vs_individual.py"
+BENCHMARK = "joint_vs_individual"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("joint_vs_individual", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def bench(benchmark_script):
+    return benchmark_script
 
 
 def _run(learners, seed, before, after, **after_parts):

@@ -5,24 +5,15 @@ One run of the worker trains the tests' tiny digit_sum team (seconds); the bundl
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "learning_curve.py"
+BENCHMARK = "learning_curve"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("learning_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def bench(benchmark_script):
+    return benchmark_script
 
 
 def test_a_variant_is_a_name_and_its_overrides(bench):

@@ -6,7 +6,6 @@ library.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,17 +14,13 @@ import pytest
 
 from teamrl.config import config_from_dict
 
-HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / "comlrl_side_by_side.py"
+BENCHMARK = "comlrl_side_by_side"
+HARNESS = Path(__file__).resolve().parents[2] / "benchmarks" / f"{BENCHMARK}.py"
 
 
 @pytest.fixture(scope="module")
-def harness():
-    spec = importlib.util.spec_from_file_location("comlrl_side_by_side", HARNESS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def harness(benchmark_script):
+    return benchmark_script
 
 
 @pytest.mark.parametrize("turns", [1, 2])
