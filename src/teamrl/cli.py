@@ -1,6 +1,6 @@
 """``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume | --overwrite]``,
-``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl presets``, ``teamrl config``,
-``teamrl envs``.
+``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl compare ENV_OR_CONFIG``,
+``teamrl presets``, ``teamrl config``, ``teamrl envs``.
 
 Only what a command needs is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs``
 never import torch or transformers (seconds on their own).
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from teamrl import __version__
-from teamrl.config import ConfigError, describe_fields, load_config
+from teamrl.config import ALGORITHM_NAMES, ConfigError, describe_fields, load_config
 
 if TYPE_CHECKING:
     from teamrl.envs.base import Environment, Item
@@ -99,6 +99,37 @@ def main(argv: list[str] | None = None) -> int:
                           help="sampling settings of team:PATH methods: each saved team's own (default), or the "
                                "config's, as the baselines use")
 
+    compare = commands.add_parser(
+        "compare", parents=[loads_models], help="train several algorithms on one task under one budget",
+        description="Train every algorithm (or config variant) on the same task, items, reward and seeds for the "
+                    "same training minutes or steps, scoring held-out joint return at step 0, on a schedule and "
+                    "at the end on the same draws. Writes results.md/.csv/.json, curve.png (return against "
+                    "training minutes) and report.html; each run is its own process (its peak memory its own), "
+                    "and a re-run skips the runs results.json already has (docs/evaluation.md#teamrl-compare).")
+    compare.add_argument("target", metavar="ENV_OR_CONFIG",
+                         help="an environment's name, a YAML config file or a preset's name, e.g. demo_tldr_cpu")
+    compare.add_argument("overrides", nargs="*", help="field=value overrides of every contender's config")
+    compare.add_argument("--algorithms", default="",
+                         help=f"comma-separated algorithms, one contender each, or all ({', '.join(ALGORITHM_NAMES)})")
+    compare.add_argument("--variant", action="append", default=[],
+                         help="a contender of config overrides, 'NAME: field=value ...' (repeatable)")
+    compare.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated (default: %(default)s)")
+    compare.add_argument("--minutes", type=float, default=0.0,
+                         help="training minutes per run, evaluation not counted (0: no limit)")
+    compare.add_argument("--steps", type=int, default=0,
+                         help="training steps per run, replacing the config's steps (0: keep them); a --minutes "
+                              "budget ends a run early but never trains past them")
+    compare.add_argument("--eval-every-minutes", type=float, default=0.0,
+                         help="evaluate every M training minutes (0: off)")
+    compare.add_argument("--eval-every-steps", type=int, default=0, help="evaluate every N steps (0: off)")
+    compare.add_argument("--eval-items", type=int, default=32, help="held-out items per evaluation")
+    compare.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
+    compare.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
+    compare.add_argument("--parallel", type=int, default=1,
+                         help="runs at a time (their minutes are then not a lone run's: see --help's docs)")
+    compare.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    compare.add_argument("--out", default=None, help="output folder (default: runs/compare-ENV_OR_CONFIG)")
+
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
     commands.add_parser("presets", help="list the configs shipped with teamrl")
@@ -117,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "compare":
+            return _compare(args)
         if args.command == "demo":
             from teamrl.demo import run_demo
 
@@ -184,6 +217,43 @@ def _train(args: argparse.Namespace) -> int:
               f"{last['reward/mean']:.3f} at step {last['step']}")
     print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
     print(f"team saved to: {team_dir}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from teamrl.evaluation.compare import (
+        CompareSettings,
+        check_contenders,
+        parse_algorithms,
+        parse_variant,
+        run_all,
+        write_report,
+    )
+    from teamrl.evaluation.runner import task_source
+
+    contenders = [*parse_algorithms(args.algorithms), *(parse_variant(text) for text in args.variant)]
+    if not contenders:
+        raise ValueError("give --algorithms NAME,NAME... or --variant 'NAME: field=value ...' (or both)")
+    try:
+        seeds = tuple(int(seed) for seed in args.seeds.split(","))
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
+    config, task = task_source(args.target)
+    settings = CompareSettings(
+        config=config, overrides=(*task, *args.overrides), seeds=seeds, minutes=args.minutes, steps=args.steps,
+        eval_every_steps=args.eval_every_steps, eval_every_minutes=args.eval_every_minutes,
+        eval_items=args.eval_items, eval_samples=args.eval_samples, eval_seed=args.eval_seed,
+        parallel=args.parallel, threads=args.threads)
+    check_contenders(settings, contenders)
+    out = Path(args.out or f"runs/compare-{Path(args.target).stem}")
+    try:
+        runs = run_all(settings, contenders, out)
+    except RuntimeError as err:
+        print(f"teamrl: error: {err}", file=sys.stderr)
+        return 1
+    files = write_report(runs, out)
+    print((out / "results.md").read_text())
+    print("Written: " + ", ".join(str(path) for path in files.values()))
     return 0
 
 

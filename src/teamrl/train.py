@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,8 +179,11 @@ class Trainer:
         self._last_tree = tree
         return metrics
 
-    def train(self) -> list[dict[str, float]]:
+    def train(self, after_step: Callable[[dict[str, float]], bool] | None = None) -> list[dict[str, float]]:
         """Run until ``config.steps`` updates are done (from the checkpoint, when built with ``resume``).
+
+        ``after_step(metrics)``, when given, runs after each step is logged (``teamrl compare`` evaluates
+        there); returning True ends training after that step, which is checkpointed.
 
         SIGINT (Ctrl-C) or SIGTERM stops the run at the end of the step under way: that step is
         checkpointed and :class:`TrainingInterrupted` says how to resume. A second one stops at once,
@@ -200,15 +203,18 @@ class Trainer:
                     if progress is not None:
                         progress.update(1)
                         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss']:.3g}")
+                    finished = after_step is not None and after_step(metrics)
                     every = config.checkpoint.save_every
                     # A signal during the last step changes nothing: the run is complete.
-                    stopping = stop.signum is not None and self.step < config.steps
-                    if self.step == config.steps or (every and self.step % every == 0) or stopping:
+                    stopping = stop.signum is not None and self.step < config.steps and not finished
+                    if self.step == config.steps or (every and self.step % every == 0) or stopping or finished:
                         checkpoint = self.save()
                     if stopping:
                         raise TrainingInterrupted(
                             f"{signal.Signals(stop.signum).name}: stopped after step {self.step} of {config.steps}, "
                             f"saved in {checkpoint}; resume with: {resume_command(self.run_dir)}", stop.signum)
+                    if finished:
+                        break
         except _StopNow as stop_now:
             kept = complete_checkpoints(self.run_dir)
             what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {resume_command(self.run_dir)}" if kept

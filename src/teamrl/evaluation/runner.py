@@ -173,16 +173,26 @@ class EvalResults:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def eval_config(target: str, overrides: Sequence[str] = (), model: str | None = None) -> TrainConfig:
-    """The config ``teamrl eval TARGET`` runs with: a config file or preset, or a registered environment's
-    name on the default config; ``model`` (``--model``) sets ``team.model`` before the overrides apply."""
-    overrides = ([f"team.model={model}"] if model else []) + list(overrides)
+def task_source(target: str) -> tuple[str | None, list[str]]:
+    """``(config, overrides)`` for ``load_config`` from a command's task argument: a config file or preset
+    (``(target, [])``), or a registered environment's name on the default config (``(None, ["env.name=..."])``).
+
+    Raises:
+        ValueError: ``target`` is neither.
+    """
     if resolve_config_path(target).is_file():
-        return load_config(target, overrides)
+        return target, []
     if target in ENVIRONMENTS:
-        return load_config(None, [f"env.name={target}", *overrides])
+        return None, [f"env.name={target}"]
     raise ValueError(f"ENV_OR_CONFIG: {target!r} is neither an environment ({', '.join(sorted(ENVIRONMENTS))}) "
                      f"nor a config file or preset ({', '.join(presets())})")
+
+
+def eval_config(target: str, overrides: Sequence[str] = (), model: str | None = None) -> TrainConfig:
+    """The config ``teamrl eval TARGET`` runs with (:func:`task_source`); ``model`` (``--model``) sets
+    ``team.model`` before the overrides apply."""
+    config, task = task_source(target)
+    return load_config(config, [*task, *([f"team.model={model}"] if model else []), *overrides])
 
 
 def run_evaluation(config: TrainConfig, settings: EvalSettings,

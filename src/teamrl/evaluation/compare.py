@@ -1,0 +1,491 @@
+"""``teamrl compare``: algorithms (or config variants) trained on one task under one training-time budget.
+
+Every *contender* (an algorithm of :data:`~teamrl.config.ALGORITHM_NAMES`, or a named set of config
+overrides) trains on the same task, items, reward and seeds, for the same number of training minutes
+(``minutes``: the sum of the steps' own time, evaluation not counted; the step under way when the budget
+runs out finishes) or steps. Its team is scored on the held-out split at step 0 and then every
+``eval_every_steps`` steps or ``eval_every_minutes`` training minutes and at the end, always on the same
+draws (the evaluation samples with its own seed), so contenders differ only by what training did.
+
+Each run is a process of its own (``python -m teamrl.evaluation.compare``): its peak memory (RSS) is its
+own and one run cannot leak state into the next. ``OUT/results.json`` is rewritten after every run and a
+re-run skips the runs already there, so a killed comparison continues where it stopped. Files in ``OUT``:
+
+* ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
+  and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
+  step and the peak memory; ``results.md`` also has each run's curve;
+* ``results.json``: every run's settings, evaluations (with the standard error over items) and steps;
+* ``curve.png``: held-out return against training minutes, each contender's seed mean and min..max band;
+* ``report.html``: the tables and the plot in one self-contained file.
+
+Runs started ``parallel`` at a time share the machine: their returns are what a run alone gets (training
+is seeded and evaluation draws are fixed), but their minutes are not, so a budget in minutes compares
+contenders fairly only when every run had the same share (all alone, or all ``parallel`` at a time with
+``threads`` each, as the report says).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+import os
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from teamrl.config import ALGORITHM_NAMES, FIXED_ADVANTAGES, load_config
+
+RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
+    "results.json", "results.md", "results.csv", "report.html", "curve.png")
+#: Gains over the untrained team whose training minutes the tables report.
+GAINS = (0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """What one line of the comparison trains: a name and the config overrides that make it."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+def algorithm_contender(name: str) -> Contender:
+    """The contender that trains the task's config with ``algorithm.name=name``.
+
+    Algorithms with a fixed advantage estimator (``mareinforce``, ``marloo``, ``maremax``) get
+    ``algorithm.advantage=null``, so a config that names MAGRPO's estimator does not conflict with theirs;
+    ``centralized`` gets one agent (``team.agents=[{name: central}]``), the policy that writes every seat.
+    """
+    if name not in ALGORITHM_NAMES:
+        raise ValueError(f"--algorithms: unknown algorithm {name!r}; choose from {', '.join(ALGORITHM_NAMES)}")
+    overrides = [f"algorithm.name={name}"]
+    if name in FIXED_ADVANTAGES:
+        overrides.append("algorithm.advantage=null")
+    if name == "centralized":
+        overrides.append("team.agents=[{name: central}]")
+    return Contender(name, tuple(overrides))
+
+
+def parse_algorithms(text: str) -> list[Contender]:
+    """``--algorithms``: comma-separated names (:func:`algorithm_contender` each), or ``all`` of them."""
+    names = ALGORITHM_NAMES if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    return [algorithm_contender(name) for name in names]
+
+
+def parse_variant(text: str) -> Contender:
+    """``"NAME: a=1 b=2"`` -> ``Contender("NAME", ("a=1", "b=2"))`` (overrides split like a shell line)."""
+    name, sep, overrides = text.partition(":")
+    name = name.strip()
+    if not sep or not name or "/" in name:
+        raise ValueError(f"--variant {text!r}: write it as 'NAME: field=value ...' (a name without '/')")
+    return Contender(name, tuple(shlex.split(overrides)))
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """What every run of a comparison shares (``teamrl compare --help`` says each)."""
+
+    config: str | None
+    """Config file or preset; None: the defaults (with ``overrides`` naming the task)."""
+    overrides: tuple[str, ...] = ()
+    """Config overrides of every contender, applied before the contender's own."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    minutes: float = 0.0
+    """Training minutes per run (0: no limit)."""
+    steps: int = 0
+    """Training steps per run, replacing the config's ``steps`` (0: keep them). A minute budget ends a run
+    early; it never trains past these steps (learning-rate schedules are laid out over them)."""
+    eval_every_steps: int = 0
+    eval_every_minutes: float = 0.0
+    eval_items: int = 32
+    eval_samples: int = 2
+    eval_seed: int = 0
+    parallel: int = 1
+    threads: int = 0
+    """torch threads per run (0: torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("minutes", "steps", "eval_every_steps", "eval_every_minutes", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 0 (got {getattr(self, name)})")
+        for name in ("eval_items", "eval_samples", "parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be >= 1 (got {getattr(self, name)})")
+        if not self.seeds:
+            raise ValueError("--seeds: give at least one seed")
+
+
+def run_key(contender: str, seed: int) -> str:
+    """A run's name: its run directory under OUT and its key in results.json."""
+    return f"{contender}-seed{seed}"
+
+
+def run_spec(settings: CompareSettings, contender: Contender, seed: int, out: Path) -> dict[str, Any]:
+    """Everything one run needs, as JSON (what the worker process gets, and what results.json keeps)."""
+    spec = asdict(settings)
+    del spec["seeds"]
+    spec.update(overrides=list(settings.overrides), contender=contender.name,
+                contender_overrides=list(contender.overrides), seed=seed,
+                run_dir=str(out / run_key(contender.name, seed)))
+    return spec
+
+
+def check_contenders(settings: CompareSettings, contenders: Sequence[Contender]) -> None:
+    """Load every contender's config before anything trains, so a bad field fails now, naming the contender.
+
+    Raises:
+        ValueError: two contenders share a name, or a contender's config is invalid.
+    """
+    names = [contender.name for contender in contenders]
+    if len(set(names)) != len(names):
+        raise ValueError(f"contenders must have different names (got {', '.join(names)})")
+    for contender in contenders:
+        try:
+            load_config(settings.config, [*settings.overrides, *contender.overrides])
+        except ValueError as err:
+            raise ValueError(f"contender {contender.name!r}: {err}") from None
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def item_standard_error(samples: Sequence[Mapping[str, Any]]) -> float:
+    """Standard error of the held-out mean return over items: a joint action's samples of one item are not
+    independent of each other, so each item counts once, by its mean return (0 with fewer than two items)."""
+    by_item: dict[Any, list[float]] = {}
+    for sample in samples:
+        by_item.setdefault(sample["item"], []).append(sample["reward"])
+    means = [statistics.fmean(rewards) for rewards in by_item.values()]
+    return statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
+
+
+def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One run, in this process: held-out evaluations at step 0 and on the schedule, training between.
+
+    The run directory is a training run's (config, metrics.jsonl, samples, the last step's checkpoint) and
+    holds the trained team (``team/``, for ``teamrl eval team:PATH``).
+    """
+    from teamrl.train import Trainer
+
+    if spec["threads"]:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    overrides = [*spec["overrides"], *spec["contender_overrides"],
+                 *([f"steps={spec['steps']}"] if spec["steps"] else []), f"seed={spec['seed']}",
+                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false", "checkpoint.save_every=0"]
+    config = load_config(spec["config"], overrides)
+    every_steps, every_seconds = spec["eval_every_steps"], 60 * spec["eval_every_minutes"]
+    budget = 60 * spec["minutes"] if spec["minutes"] else float("inf")
+    curve: list[dict[str, Any]] = []
+    steps: list[dict[str, float]] = []
+    with Trainer(config) as trainer:  # holds the run directory until the run is over
+
+        def evaluate(train_seconds: float) -> None:
+            began = time.perf_counter()
+            metrics, samples = trainer.evaluate_with_samples(num_samples=spec["eval_samples"],
+                                                             max_items=spec["eval_items"], seed=spec["eval_seed"])
+            curve.append({"step": trainer.step, "train_seconds": train_seconds,
+                          "eval_seconds": time.perf_counter() - began, "episodes": len(samples),
+                          "reward/se": item_standard_error(samples), **metrics})
+            print(f"  step {trainer.step:3d}, {train_seconds / 60:5.2f} min of training: held-out "
+                  f"{metrics['reward/mean']:.3f}", flush=True)
+
+        def after_step(metrics: dict[str, float]) -> bool:
+            steps.append({key: value for key, value in metrics.items() if key.startswith(("reward/", "time/", "step"))})
+            train_seconds = sum(step["time/step"] for step in steps)
+            last = curve[-1]
+            out_of_budget = train_seconds >= budget
+            due = ((every_steps and trainer.step - last["step"] >= every_steps)
+                   or (every_seconds and train_seconds - last["train_seconds"] >= every_seconds))
+            if due or out_of_budget or trainer.step >= config.steps:
+                evaluate(train_seconds)
+            return out_of_budget
+
+        evaluate(0.0)
+        trainer.train(after_step=after_step)
+        trainer.save_team()
+        max_reward = trainer.env.max_reward
+    return {"spec": dict(spec), "max_reward": max_reward, "curve": curve, "steps": steps,
+            "peak_rss_bytes": _peak_rss_bytes()}
+
+
+def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str | Path,
+            log: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
+    """Train every contender for every seed (``settings.parallel`` processes at a time), skipping the runs
+    already in ``OUT/results.json``; returns each contender's runs in seed order.
+
+    Raises:
+        ValueError: a run already in results.json was made with other settings.
+        RuntimeError: a run failed (the others still ran; its log is named).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / RESULTS_JSON
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    pending: list[tuple[str, dict[str, Any]]] = []
+    for contender in contenders:
+        for seed in settings.seeds:
+            key, spec = run_key(contender.name, seed), run_spec(settings, contender, seed, out)
+            if key in results:
+                if results[key]["spec"] != spec:
+                    raise ValueError(f"{results_path}: {key} was run with other settings; use another --out "
+                                     f"(or another contender name)")
+                log(f"{key}: already in {results_path}, skipped")
+                continue
+            pending.append((key, spec))
+    environment = dict(os.environ, **({"OMP_NUM_THREADS": str(settings.threads)} if settings.threads else {}))
+    running: list[tuple[str, subprocess.Popen, Path]] = []
+    failed: list[str] = []
+    while pending or running:
+        while pending and len(running) < settings.parallel:
+            key, spec = pending.pop(0)
+            shutil.rmtree(spec["run_dir"], ignore_errors=True)  # a run killed before it reported: start again
+            result_file, log_path = out / f"{key}.result.json", out / f"{key}.log"
+            log(f"{key}: training... (log {log_path})")
+            with log_path.open("w") as log_file:
+                process = subprocess.Popen([sys.executable, "-m", "teamrl.evaluation.compare", json.dumps(spec),
+                                            str(result_file)], stdout=log_file, stderr=subprocess.STDOUT,
+                                           env=environment)
+            running.append((key, process, result_file))
+        time.sleep(0.5)
+        for entry in [entry for entry in running if entry[1].poll() is not None]:
+            running.remove(entry)
+            key, process, result_file = entry
+            if process.returncode != 0 or not result_file.exists():
+                failed.append(key)
+                log(f"{key}: failed (exit {process.returncode}); see {out / key}.log")
+                continue
+            results[key] = json.loads(result_file.read_text())
+            result_file.unlink()
+            _write_atomically(results_path, json.dumps(results, indent=1))
+            curve = results[key]["curve"]
+            log(f"{key}: held-out {curve[0]['reward/mean']:.3f} -> {curve[-1]['reward/mean']:.3f} "
+                f"after {len(results[key]['steps'])} steps")
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out}); the runs that "
+                           f"finished are in {results_path}, and a re-run trains only the missing ones")
+    return {contender.name: [results[run_key(contender.name, seed)] for seed in settings.seeds]
+            for contender in contenders}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+# -- what the runs say -------------------------------------------------------------------------------
+
+def reward_at(run: Mapping[str, Any], seconds: float) -> float:
+    """The held-out return of the run's last evaluation at or before ``seconds`` of training."""
+    return [point for point in run["curve"] if point["train_seconds"] <= seconds + 1e-9][-1]["reward/mean"]
+
+
+def minutes_to_gain(run: Mapping[str, Any], gain: float) -> float | None:
+    """Training minutes at the first evaluation whose return is ``gain`` above step 0's; None if never."""
+    start = run["curve"][0]["reward/mean"]
+    return next((point["train_seconds"] / 60 for point in run["curve"] if point["reward/mean"] - start >= gain), None)
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for a single value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One contender over its seeds (see :func:`summarise`)."""
+
+    contender: str
+    seeds: int
+    before: float
+    after: float
+    after_se: float
+    """Standard error over seeds; with one seed, over that run's held-out items."""
+    gain: float
+    gain_se: float
+    """Standard error over seeds (0 for one seed)."""
+    min_gain: float
+    minutes_to: dict[float, list[float | None]] = field(default_factory=dict)
+    """Per gain of :data:`GAINS`, each seed's training minutes to it (None: not reached)."""
+    steps: float = 0.0
+    seconds_per_step: float = 0.0
+    train_minutes: float = 0.0
+    peak_memory_gib: float = 0.0
+
+
+def summarise(name: str, runs: Sequence[Mapping[str, Any]]) -> Summary:
+    """A contender's runs: held-out return before/after and its gain (mean, standard error over seeds), the
+    training minutes to each gain, mean steps, median seconds per step, mean training minutes, peak memory."""
+    before = [run["curve"][0]["reward/mean"] for run in runs]
+    after = [run["curve"][-1]["reward/mean"] for run in runs]
+    gains = [a - b for a, b in zip(after, before)]
+    after_mean, after_se = mean_and_se(after)
+    if len(runs) == 1:
+        after_se = runs[0]["curve"][-1].get("reward/se", 0.0)
+    step_seconds = [step["time/step"] for run in runs for step in run["steps"]]
+    return Summary(
+        contender=name, seeds=len(runs), before=statistics.fmean(before), after=after_mean, after_se=after_se,
+        gain=mean_and_se(gains)[0], gain_se=mean_and_se(gains)[1], min_gain=min(gains),
+        minutes_to={gain: [minutes_to_gain(run, gain) for run in runs] for gain in GAINS},
+        steps=statistics.fmean(len(run["steps"]) for run in runs),
+        seconds_per_step=statistics.median(step_seconds) if step_seconds else 0.0,
+        train_minutes=statistics.fmean(run["curve"][-1]["train_seconds"] / 60 for run in runs),
+        peak_memory_gib=max(run.get("peak_rss_bytes", 0) for run in runs) / 2**30)
+
+
+def _minutes_cell(minutes: Sequence[float | None]) -> str:
+    """Mean minutes over the seeds that reached the gain, and how many did: ``4.2 (3/3)``; ``-`` if none."""
+    reached = [m for m in minutes if m is not None]
+    return f"{statistics.fmean(reached):.1f} ({len(reached)}/{len(minutes)})" if reached else "-"
+
+
+SUMMARY_HEADERS = ("contender", "seeds", "before", "after ± SE", "gain ± SE", "worst gain",
+                   *(f"min to +{gain:g}" for gain in GAINS), "steps", "train min", "s/step", "peak GiB")
+
+
+def summary_rows(summaries: Sequence[Summary]) -> list[list[str]]:
+    """The summary table's cells (:data:`SUMMARY_HEADERS`), one row per contender."""
+    return [[s.contender, str(s.seeds), f"{s.before:.3f}", f"{s.after:.3f} ± {s.after_se:.3f}",
+             f"{s.gain:+.3f}" + (f" ± {s.gain_se:.3f}" if s.seeds > 1 else ""), f"{s.min_gain:+.3f}",
+             *(_minutes_cell(s.minutes_to[gain]) for gain in GAINS), f"{s.steps:.1f}", f"{s.train_minutes:.2f}",
+             f"{s.seconds_per_step:.1f}", f"{s.peak_memory_gib:.2f}"] for s in summaries]
+
+
+CURVE_HEADERS = ("run", "held-out return at each evaluation (step: return)", "final ± SE (items)",
+                 *(f"min to +{gain:g}" for gain in GAINS))
+
+
+def curve_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[list[str]]:
+    """One row per run: its evaluations, its final return with the standard error over items, minutes to gains."""
+    rows = []
+    for name, mine in runs.items():
+        for run in mine:
+            last = run["curve"][-1]
+            rows.append([run_key(name, run["spec"]["seed"]),
+                         ", ".join(f"{p['step']}: {p['reward/mean']:.2f}" for p in run["curve"]),
+                         f"{last['reward/mean']:.3f} ± {last.get('reward/se', 0.0):.3f}",
+                         *("-" if m is None else f"{m:.1f}" for m in (minutes_to_gain(run, g) for g in GAINS))])
+    return rows
+
+
+def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+                      *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def describe(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """The line above the tables: the task, the budget, the evaluation, how runs shared the machine."""
+    spec = next(iter(runs.values()))[0]["spec"]
+    max_reward = next(iter(runs.values()))[0]["max_reward"]
+    budget = " and ".join(part for part in (f"{spec['minutes']:g} training minutes" if spec["minutes"] else "",
+                                            f"{spec['steps']} steps" if spec["steps"] else "") if part)
+    sharing = f"{spec['parallel']} runs at a time" if spec["parallel"] > 1 else "one run at a time"
+    threads = f", {spec['threads']} torch thread(s) each" if spec["threads"] else ""
+    config = " ".join([spec["config"] or "(defaults)", *spec["overrides"]])
+    return (f"Config: {config}. Budget per run: "
+            f"{budget or 'the config steps'} (evaluation not counted). Held-out joint return (max {max_reward:g}) on "
+            f"{spec['eval_items']} items x {spec['eval_samples']} samples (evaluation seed {spec['eval_seed']}); "
+            f"SE = standard error over seeds (over held-out items for one seed). Runs: {sharing}{threads}.")
+
+
+def contender_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """What each contender is: its name and its own config overrides."""
+    return [f"{name}: {' '.join(mine[0]['spec']['contender_overrides']) or '(the config as it is)'}"
+            for name, mine in runs.items()]
+
+
+def render_markdown(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """results.md: the summary per contender, then each run's curve."""
+    summaries = [summarise(name, mine) for name, mine in runs.items()]
+    contenders = "".join(f"- {line}\n" for line in contender_lines(runs))
+    return "\n".join([describe(runs), "", contenders, _markdown_table(SUMMARY_HEADERS, summary_rows(summaries)), "",
+                      _markdown_table(CURVE_HEADERS, curve_rows(runs)), ""])
+
+
+def write_csv(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> None:
+    """results.csv: one row per contender, one column per number of the summary."""
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["contender", "seeds", "before", "after", "after_se", "gain", "gain_se", "min_gain",
+                         *(f"minutes_to_{gain:g}" for gain in GAINS), "steps", "train_minutes",
+                         "seconds_per_step", "peak_memory_gib"])
+        for name, mine in runs.items():
+            s = summarise(name, mine)
+            reached = [[m for m in s.minutes_to[gain] if m is not None] for gain in GAINS]
+            writer.writerow([s.contender, s.seeds, s.before, s.after, s.after_se, s.gain, s.gain_se, s.min_gain,
+                             *(statistics.fmean(r) if len(r) == s.seeds else "" for r in reached),
+                             s.steps, s.train_minutes, s.seconds_per_step, s.peak_memory_gib])
+
+
+def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> Path:
+    """curve.png: held-out return against training minutes; each contender's seed mean, band min..max."""
+    from teamrl.evaluation.plots import _pyplot, _save
+
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name, mine in runs.items():
+        ends = sorted({point["train_seconds"] for run in mine for point in run["curve"]})
+        values = [[reward_at(run, t) for run in mine] for t in ends]
+        minutes = [t / 60 for t in ends]
+        line, = axes.plot(minutes, [statistics.fmean(v) for v in values], label=f"{name} ({len(mine)} seeds)")
+        axes.fill_between(minutes, [min(v) for v in values], [max(v) for v in values], alpha=0.2,
+                          color=line.get_color())
+    axes.set_xlabel("training minutes (evaluation excluded)")
+    axes.set_ylabel("held-out joint return")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    return _save(figure, path)
+
+
+def render_html(runs: Mapping[str, Sequence[Mapping[str, Any]]], plot: Path) -> str:
+    """report.html: the tables and the plot (embedded), self-contained; every text HTML-escaped."""
+    from teamrl.evaluation.report import _STYLE, _html_table
+
+    summaries = [summarise(name, mine) for name, mine in runs.items()]
+    image = base64.b64encode(plot.read_bytes()).decode("ascii")
+    escaped = lambda rows: [[html.escape(cell) for cell in row] for row in rows]  # noqa: E731
+    body = "\n".join([
+        "<h1>teamrl compare</h1>", f"<p>{html.escape(describe(runs))}</p>",
+        "<ul>" + "".join(f"<li><code>{html.escape(line)}</code></li>" for line in contender_lines(runs)) + "</ul>",
+        "<h2>Per contender</h2>", _html_table(SUMMARY_HEADERS, escaped(summary_rows(summaries))),
+        f'<figure><img src="data:image/png;base64,{image}" alt="held-out return against training minutes">'
+        "<figcaption>Held-out joint return against training minutes (seed mean, band min..max)</figcaption></figure>",
+        "<h2>Per run</h2>", _html_table(CURVE_HEADERS, escaped(curve_rows(runs)))])
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>teamrl compare</title>'
+            f"<style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n")
+
+
+def write_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], out: str | Path) -> dict[str, Path]:
+    """results.md, results.csv, curve.png and report.html in ``out`` (results.json is :func:`run_all`'s)."""
+    out = Path(out)
+    (out / RESULTS_MD).write_text(render_markdown(runs))
+    write_csv(runs, out / RESULTS_CSV)
+    plot = plot_curves(runs, out / CURVE_PNG)
+    (out / REPORT_HTML).write_text(render_html(runs, plot))
+    return {name: out / name for name in (RESULTS_MD, RESULTS_CSV, RESULTS_JSON, CURVE_PNG, REPORT_HTML)}
+
+
+def _worker(argv: Sequence[str]) -> None:
+    """``python -m teamrl.evaluation.compare SPEC_JSON RESULT_JSON``: one run, its result written to a file."""
+    spec_json, result_json = argv
+    Path(result_json).write_text(json.dumps(train_with_evaluations(json.loads(spec_json))))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -1,0 +1,182 @@
+"""teamrl compare (teamrl/evaluation/compare.py): contenders, a run's evaluation schedule, the resumable runner,
+the numbers over seeds and the report. Runs train the tests' tiny digit_sum team (seconds each)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from teamrl.cli import main
+from teamrl.config import ALGORITHM_NAMES, load_config
+from teamrl.evaluation import compare
+from teamrl.evaluation.compare import CompareSettings, Contender
+from teamrl.run_dir import checkpoint_step, complete_checkpoints
+
+
+def test_every_algorithm_is_a_contender_whose_config_loads_on_a_two_agent_task(tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    # A config that names MAGRPO's estimator, as the presets do: the fixed-estimator algorithms must not clash.
+    config.write_text(yaml.safe_dump(tiny_config_data(algorithm={"advantage": "std"})))
+    contenders = compare.parse_algorithms("all")
+    assert [c.name for c in contenders] == list(ALGORITHM_NAMES)
+    compare.check_contenders(CompareSettings(config=str(config)), contenders)
+    loaded = {c.name: load_config(str(config), list(c.overrides)) for c in contenders}
+    assert all(loaded[name].algorithm.name == name for name in ALGORITHM_NAMES)
+    assert loaded["maremax"].algorithm.advantage_estimator == "max"
+    assert loaded["magrpo"].algorithm.advantage_estimator == "std"
+    assert [agent.name for agent in loaded["centralized"].team.agents] == ["central"]
+    assert len(loaded["iac"].team.agents) == 2
+
+
+def test_bad_contenders_are_refused_before_anything_trains(tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data()))
+    with pytest.raises(ValueError, match="unknown algorithm 'grpo'; choose from magrpo"):
+        compare.parse_algorithms("magrpo,grpo")
+    with pytest.raises(ValueError, match="contender 'fast': .*optim.lr"):
+        compare.check_contenders(CompareSettings(config=str(config)), [Contender("fast", ("optim.lr=-1",))])
+    with pytest.raises(ValueError, match="different names"):
+        compare.check_contenders(CompareSettings(config=str(config)), [Contender("a"), Contender("a")])
+    with pytest.raises(ValueError, match="--eval-items: must be >= 1"):
+        CompareSettings(config=None, eval_items=0)
+
+
+def test_a_variant_is_a_name_and_its_overrides():
+    assert compare.parse_variant("lr5e-4: optim.lr=5e-4 'team.agents=[{name: a}]'") == Contender(
+        "lr5e-4", ("optim.lr=5e-4", "team.agents=[{name: a}]"))
+    assert compare.parse_variant("default:") == Contender("default")
+    for bad in ("no colon", ": optim.lr=1", "a/b: steps=1"):
+        with pytest.raises(ValueError, match="NAME: field=value"):
+            compare.parse_variant(bad)
+
+
+def test_the_standard_error_counts_each_item_once_by_its_mean():
+    samples = [{"item": "a", "reward": 1.0}, {"item": "a", "reward": 0.0}, {"item": "b", "reward": 1.0},
+               {"item": "b", "reward": 1.0}, {"item": "c", "reward": 0.0}, {"item": "c", "reward": 0.0}]
+    # item means 0.5, 1, 0: sample sd 0.5, over sqrt(3) items
+    assert compare.item_standard_error(samples) == pytest.approx(0.5 / math.sqrt(3))
+    assert compare.item_standard_error(samples[:2]) == 0.0
+
+
+def _run(seed, points, contender="fast", peak=2**30):
+    return {"spec": {"seed": seed, "contender": contender, "contender_overrides": ["optim.lr=1"], "config": "c.yaml",
+                     "overrides": [], "minutes": 10.0, "steps": 0, "eval_items": 32, "eval_samples": 2,
+                     "eval_seed": 0, "parallel": 1, "threads": 0},
+            "max_reward": 3.0, "peak_rss_bytes": peak,
+            "curve": [{"step": step, "train_seconds": seconds, "reward/mean": reward, "reward/se": 0.05}
+                      for step, seconds, reward in points],
+            "steps": [{"time/step": 30.0}] * points[-1][0]}
+
+
+def test_minutes_to_a_gain_and_the_return_at_a_time():
+    run = _run(0, [(0, 0.0, 1.0), (5, 150.0, 1.4), (10, 300.0, 2.1), (15, 450.0, 1.9)])
+    assert compare.minutes_to_gain(run, 0.3) == 2.5
+    assert compare.minutes_to_gain(run, 1.0) == 5.0   # first reached at 300 s, even though it drops later
+    assert compare.minutes_to_gain(run, 1.5) is None
+    assert compare.reward_at(run, 299.0) == 1.4 and compare.reward_at(run, 300.0) == 2.1
+    assert compare.reward_at(run, 1e6) == 1.9
+
+
+def test_a_contender_is_summarised_over_its_seeds():
+    runs = [_run(0, [(0, 0.0, 1.0), (10, 300.0, 2.0)]), _run(1, [(0, 0.0, 1.0), (10, 300.0, 1.6)], peak=2**31)]
+    summary = compare.summarise("fast", runs)
+    assert summary.after == pytest.approx(1.8) and summary.gain == pytest.approx(0.8)
+    # after: 2.0 and 1.6, sample sd 0.2828, over sqrt(2) seeds = 0.2
+    assert summary.after_se == pytest.approx(0.2) and summary.gain_se == pytest.approx(0.2)
+    assert summary.min_gain == pytest.approx(0.6)
+    assert summary.minutes_to == {0.5: [5.0, 5.0], 1.0: [5.0, None]}
+    assert summary.seconds_per_step == 30.0 and summary.train_minutes == 5.0 and summary.peak_memory_gib == 2.0
+    row = compare.summary_rows([summary])[0]
+    assert row == ["fast", "2", "1.000", "1.800 ± 0.200", "+0.800 ± 0.200", "+0.600", "5.0 (2/2)", "5.0 (1/2)",
+                   "10.0", "5.00", "30.0", "2.00"]
+    # One seed: the return's standard error is over that run's held-out items; a gain has none.
+    alone = compare.summary_rows([compare.summarise("fast", runs[:1])])[0]
+    assert alone[3:5] == ["2.000 ± 0.050", "+1.000"]
+
+
+def test_the_report_files_say_what_ran(tmp_path):
+    runs = {"fast <b>": [_run(0, [(0, 0.0, 1.0), (10, 300.0, 2.0)], contender="fast <b>")],
+            "slow": [_run(0, [(0, 0.0, 1.0), (4, 300.0, 1.2)], contender="slow")]}
+    files = compare.write_report(runs, tmp_path)
+    table = files["results.md"].read_text()
+    assert "Budget per run: 10 training minutes" in table and "one run at a time" in table
+    assert "- slow: optim.lr=1" in table
+    assert "| fast <b>-seed0 | 0: 1.00, 10: 2.00 | 2.000 ± 0.050 | 5.0 | 5.0 |" in table
+    rows = files["results.csv"].read_text().splitlines()
+    assert rows[0].startswith("contender,seeds,before,after,after_se,gain") and rows[2].startswith("slow,1,1.0,1.2")
+    assert files["curve.png"].read_bytes()[:4] == b"\x89PNG"
+    page = files["report.html"].read_text()
+    assert "fast &lt;b&gt;" in page and "fast <b>" not in page and "data:image/png;base64," in page
+
+
+def test_a_run_evaluates_at_step_zero_on_its_schedule_and_at_its_end(tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=3)))
+    spec = compare.run_spec(CompareSettings(config=str(config), overrides=("items_per_step=2",), eval_every_steps=2,
+                                            eval_items=4, eval_samples=2),
+                            Contender("plain"), seed=0, out=tmp_path)
+    result = compare.train_with_evaluations(spec)
+    assert [point["step"] for point in result["curve"]] == [0, 2, 3]
+    assert len(result["steps"]) == 3 and result["max_reward"] == 1.0
+    assert all(point["episodes"] == 8 and point["reward/se"] >= 0 for point in result["curve"])
+    seconds = [point["train_seconds"] for point in result["curve"]]
+    assert seconds[0] == 0.0 and seconds == sorted(seconds)
+    assert seconds[-1] == pytest.approx(sum(step["time/step"] for step in result["steps"]))
+    assert result["peak_rss_bytes"] > 100 * 2**20
+
+
+def test_a_minute_budget_stops_training_after_the_step_that_spends_it(tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=50)))
+    settings = CompareSettings(config=str(config), minutes=1e-9, eval_items=2, eval_samples=1)
+    result = compare.train_with_evaluations(compare.run_spec(settings, Contender("plain"), seed=0, out=tmp_path))
+    assert len(result["steps"]) == 1 and [point["step"] for point in result["curve"]] == [0, 1]
+    run_dir = tmp_path / "plain-seed0"  # a training run's directory: the stopping step checkpointed, the team saved
+    assert [checkpoint_step(path) for path in complete_checkpoints(run_dir)] == [1] and (run_dir / "team").is_dir()
+
+
+def test_the_runner_trains_each_run_in_its_own_process_names_a_failure_and_a_rerun_skips_what_is_done(
+        tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=1)))
+    settings = CompareSettings(config=str(config), seeds=(0,), eval_items=2, eval_samples=1, threads=1, parallel=2)
+    magrpo = compare.algorithm_contender("magrpo")
+    broken = Contender("broken", ("env.kwargs.length=-3",))  # not checked here: its worker fails on it
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=r"1 run\(s\) failed: broken-seed0 .*a re-run trains only the missing"):
+        compare.run_all(settings, [magrpo, broken], out, log=lambda message: None)
+    assert (out / "broken-seed0.log").read_text()
+    done = json.loads((out / "results.json").read_text())
+    assert set(done) == {"magrpo-seed0"}
+    assert (out / "magrpo-seed0" / "metrics.jsonl").is_file() and (out / "magrpo-seed0" / "team").is_dir()
+    messages = []
+    runs = compare.run_all(settings, [magrpo], out, log=messages.append)
+    assert runs == {"magrpo": [done["magrpo-seed0"]]}
+    assert messages == [f"magrpo-seed0: already in {out / 'results.json'}, skipped"]
+    with pytest.raises(ValueError, match="magrpo-seed0 was run with other settings"):
+        compare.run_all(CompareSettings(**{**settings.__dict__, "eval_items": 3}), [magrpo], out, log=print)
+
+
+def test_the_command_line_refuses_a_comparison_without_contenders(capsys):
+    assert main(["compare", "tiny_digit_sum"]) == 2
+    assert "--algorithms NAME,NAME" in capsys.readouterr().err
+    assert main(["compare", "tiny_digit_sum", "--algorithms", "magrpo,ppo"]) == 2
+    assert "unknown algorithm 'ppo'" in capsys.readouterr().err
+    assert main(["compare", "no_such_task", "--algorithms", "magrpo"]) == 2
+    assert "neither an environment" in capsys.readouterr().err
+
+
+def test_the_command_line_compares_and_writes_the_report(tiny_config_data, tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=5)))
+    out = tmp_path / "out"
+    assert main(["compare", str(config), "items_per_step=2", "--algorithms", "maremax", "--seeds", "3", "--steps",
+                 "1", "--eval-items", "2", "--eval-samples", "1", "--threads", "1", "--out", str(out)]) == 0
+    assert "| maremax | 1 |" in capsys.readouterr().out
+    spec = json.loads((out / "results.json").read_text())["maremax-seed3"]["spec"]
+    assert spec["overrides"] == ["items_per_step=2"] and spec["steps"] == 1 and spec["seed"] == 3
+    assert spec["contender_overrides"] == ["algorithm.name=maremax", "algorithm.advantage=null"]
+    assert all((out / name).is_file() for name in ("results.md", "results.csv", "curve.png", "report.html"))
