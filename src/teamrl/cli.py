@@ -231,14 +231,15 @@ def _compare(args: argparse.Namespace) -> int:
     )
     from teamrl.evaluation.runner import task_source
 
-    contenders = [*parse_algorithms(args.algorithms), *(parse_variant(text) for text in args.variant)]
+    config, task = task_source(args.target)
+    base = load_config(config, [*task, *args.overrides])
+    contenders = [*parse_algorithms(args.algorithms, base), *(parse_variant(text) for text in args.variant)]
     if not contenders:
         raise ValueError("give --algorithms NAME,NAME... or --variant 'NAME: field=value ...' (or both)")
     try:
         seeds = tuple(int(seed) for seed in args.seeds.split(","))
     except ValueError:
         raise ValueError(f"--seeds: comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
-    config, task = task_source(args.target)
     settings = CompareSettings(
         config=config, overrides=(*task, *args.overrides), seeds=seeds, minutes=args.minutes, steps=args.steps,
         eval_every_steps=args.eval_every_steps, eval_every_minutes=args.eval_every_minutes,

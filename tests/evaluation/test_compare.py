@@ -20,14 +20,17 @@ def test_every_algorithm_is_a_contender_whose_config_loads_on_a_two_agent_task(t
     config = tmp_path / "tiny.yaml"
     # A config that names MAGRPO's estimator, as the presets do: the fixed-estimator algorithms must not clash.
     config.write_text(yaml.safe_dump(tiny_config_data(algorithm={"advantage": "std"})))
-    contenders = compare.parse_algorithms("all")
+    task = load_config(str(config), ["team.agents=[{name: a}, {name: b, sampling: {max_new_tokens: 6}}]"])
+    contenders = compare.parse_algorithms("all", task)
     assert [c.name for c in contenders] == list(ALGORITHM_NAMES)
     compare.check_contenders(CompareSettings(config=str(config)), contenders)
     loaded = {c.name: load_config(str(config), list(c.overrides)) for c in contenders}
     assert all(loaded[name].algorithm.name == name for name in ALGORITHM_NAMES)
     assert loaded["maremax"].algorithm.advantage_estimator == "max"
     assert loaded["magrpo"].algorithm.advantage_estimator == "std"
-    assert [agent.name for agent in loaded["centralized"].team.agents] == ["central"]
+    # the one policy writes both parts: the team's token budget, 4 (the tiny config's) + 6
+    assert [(agent.name, agent.sampling) for agent in loaded["centralized"].team.agents] == [
+        ("central", {"max_new_tokens": 10})]
     assert len(loaded["iac"].team.agents) == 2
 
 
@@ -35,7 +38,7 @@ def test_bad_contenders_are_refused_before_anything_trains(tiny_config_data, tmp
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config_data()))
     with pytest.raises(ValueError, match="unknown algorithm 'grpo'; choose from magrpo"):
-        compare.parse_algorithms("magrpo,grpo")
+        compare.parse_algorithms("magrpo,grpo", load_config(str(config)))
     with pytest.raises(ValueError, match="contender 'fast': .*optim.lr"):
         compare.check_contenders(CompareSettings(config=str(config)), [Contender("fast", ("optim.lr=-1",))])
     with pytest.raises(ValueError, match="different names"):
@@ -143,7 +146,7 @@ def test_the_runner_trains_each_run_in_its_own_process_names_a_failure_and_a_rer
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config_data(steps=1)))
     settings = CompareSettings(config=str(config), seeds=(0,), eval_items=2, eval_samples=1, threads=1, parallel=2)
-    magrpo = compare.algorithm_contender("magrpo")
+    magrpo = compare.algorithm_contender("magrpo", load_config(str(config)))
     broken = Contender("broken", ("env.kwargs.length=-3",))  # not checked here: its worker fails on it
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match=r"1 run\(s\) failed: broken-seed0 .*a re-run trains only the missing"):

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from teamrl.config import ALGORITHM_NAMES, FIXED_ADVANTAGES, load_config
+from teamrl.config import ALGORITHM_NAMES, FIXED_ADVANTAGES, TrainConfig, load_config
 
 RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
     "results.json", "results.md", "results.csv", "report.html", "curve.png")
@@ -59,12 +59,14 @@ class Contender:
     overrides: tuple[str, ...] = ()
 
 
-def algorithm_contender(name: str) -> Contender:
-    """The contender that trains the task's config with ``algorithm.name=name``.
+def algorithm_contender(name: str, config: TrainConfig) -> Contender:
+    """The contender that trains ``config`` (the task's, before any contender's overrides) with
+    ``algorithm.name=name``.
 
     Algorithms with a fixed advantage estimator (``mareinforce``, ``marloo``, ``maremax``) get
     ``algorithm.advantage=null``, so a config that names MAGRPO's estimator does not conflict with theirs;
-    ``centralized`` gets one agent (``team.agents=[{name: central}]``), the policy that writes every seat.
+    ``centralized`` gets one agent, the policy that writes every seat's part, with the team's token budget
+    (the sum of its agents' ``max_new_tokens``), as the prompt-only ``single`` baseline has.
     """
     if name not in ALGORITHM_NAMES:
         raise ValueError(f"--algorithms: unknown algorithm {name!r}; choose from {', '.join(ALGORITHM_NAMES)}")
@@ -72,14 +74,16 @@ def algorithm_contender(name: str) -> Contender:
     if name in FIXED_ADVANTAGES:
         overrides.append("algorithm.advantage=null")
     if name == "centralized":
-        overrides.append("team.agents=[{name: central}]")
+        budget = sum(agent.sampling.get("max_new_tokens", config.team.sampling.max_new_tokens)
+                     for agent in config.team.agents)
+        overrides.append(f"team.agents=[{{name: central, sampling: {{max_new_tokens: {budget}}}}}]")
     return Contender(name, tuple(overrides))
 
 
-def parse_algorithms(text: str) -> list[Contender]:
+def parse_algorithms(text: str, config: TrainConfig) -> list[Contender]:
     """``--algorithms``: comma-separated names (:func:`algorithm_contender` each), or ``all`` of them."""
     names = ALGORITHM_NAMES if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
-    return [algorithm_contender(name) for name in names]
+    return [algorithm_contender(name, config) for name in names]
 
 
 def parse_variant(text: str) -> Contender:
