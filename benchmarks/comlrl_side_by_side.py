@@ -83,6 +83,13 @@ class RunSpec:
     one adapter per agent on one shared frozen base; then the libraries no longer do identical work)."""
     teamrl_lr: float | None = None
     """teamrl's learning rate when it differs from CoMLRL's (LoRA adapters need a larger one); None: ``lr``."""
+    teamrl_preset: str | None = None
+    """Train teamrl with this preset's config (its own settings, e.g. ``demo_tldr_cpu``) instead of the matched
+    one; only the model (the same local directory), seed and steps are set (``comlrl_learning_curve.py``)."""
+    minutes: float = 0.0
+    """Learning-curve mode (when > 0): train for this many minutes of training (wall clock, evaluations
+    excluded) instead of ``steps``, evaluating at the start, every ``eval_every_minutes`` and at the end."""
+    eval_every_minutes: float = 0.0
 
     def to_json(self) -> str:
         """The spec as JSON, as a worker reads it from its command line."""

@@ -32,7 +32,7 @@ from comlrl_side_by_side import (
 )
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from teamrl.config import config_from_dict
+from teamrl.config import TrainConfig, config_from_dict, load_config
 from teamrl.envs.base import Item, Step
 from teamrl.envs.writing import TldrEnv
 from teamrl.models.bundled import ensure_converted, get_bundled_model
@@ -92,6 +92,55 @@ def tokens_until_eos(tokens: torch.Tensor, eos_token_id: int) -> int:
     """Generated tokens that count: up to and including the first EOS (all of them when there is none)."""
     hits = (tokens == eos_token_id).nonzero()
     return int(hits[0]) + 1 if hits.numel() else int(tokens.numel())
+
+
+class BudgetSpent(Exception):
+    """Raised from inside a library's training loop when the learning curve's minutes are spent."""
+
+
+class TrainingClock:
+    """A learning curve's clock: training wall-clock with the evaluations left out.
+
+    ``evaluate()`` (the held-out joint reward) runs at the start, whenever ``every_seconds`` of training
+    have passed since the last evaluation, and when ``budget_seconds`` are spent; :meth:`step_done` is
+    called at the end of each update and says whether the budget is spent (the update under way when it
+    runs out finishes, as in ``teamrl compare``).
+    """
+
+    def __init__(self, budget_seconds: float, every_seconds: float, evaluate: Callable[[], float]) -> None:
+        self.budget_seconds, self.every_seconds, self.evaluate = budget_seconds, every_seconds, evaluate
+        self.train_seconds, self.steps = 0.0, 0
+        self.step_seconds: list[float] = []
+        self.curve: list[dict[str, float]] = []
+        self._record()
+
+    def _record(self) -> None:
+        began = time.perf_counter()
+        reward = self.evaluate()
+        self.curve.append({"step": self.steps, "train_seconds": self.train_seconds, "reward/mean": reward,
+                           "eval_seconds": time.perf_counter() - began})
+        print(f"  step {self.steps:3d}, {self.train_seconds / 60:5.2f} min of training: held-out {reward:.3f}",
+              flush=True)
+        self._resumed = time.perf_counter()
+
+    def step_done(self) -> bool:
+        """Count the update that just ended; evaluate when due. True once the budget is spent."""
+        seconds = time.perf_counter() - self._resumed
+        self.train_seconds += seconds
+        self.step_seconds.append(seconds)
+        self.steps += 1
+        spent = self.train_seconds >= self.budget_seconds
+        last = self.curve[-1]["train_seconds"]
+        if spent or (self.every_seconds and self.train_seconds - last >= self.every_seconds):
+            self._record()
+        else:
+            self._resumed = time.perf_counter()
+        return spent
+
+    def result(self) -> dict[str, Any]:
+        """What the worker reports in learning-curve mode."""
+        return {"curve": self.curve, "step_times": self.step_seconds, "train_seconds": self.train_seconds,
+                "steps": self.steps}
 
 
 def _rss_status_gb(field: str) -> float | None:
@@ -171,17 +220,34 @@ def _sample(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts:
 # teamrl
 
 
+def teamrl_trainer_config(spec: RunSpec, model_dir: Path, run_dir: Path) -> TrainConfig:
+    """teamrl's config for ``spec``: the matched one, or the preset ``spec.teamrl_preset`` as it ships, on the
+    same local model directory (and, for a learning curve, with steps enough for any budget)."""
+    if spec.teamrl_preset is None:
+        return config_from_dict(teamrl_config(spec, str(model_dir), str(run_dir)))
+    return load_config(spec.teamrl_preset, [f"team.model={model_dir}", f"seed={spec.seed}", f"run_dir={run_dir}",
+                                            f"steps={spec.steps}", "logging.progress_bar=false",
+                                            "logging.sample_every=0", "checkpoint.save_every=0"])
+
+
 def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """Train with teamrl's public API (``config_from_dict`` + ``Trainer.train_step``)."""
+    """Train with teamrl's public API (``Trainer.train_step``), for ``spec.steps`` steps or ``spec.minutes``."""
     started = time.perf_counter()
     env = make_env(spec)
-    trainer = Trainer(config_from_dict(teamrl_config(spec, str(model_dir), str(run_dir))), env=env)
+    trainer = Trainer(teamrl_trainer_config(spec, model_dir, run_dir), env=env)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     first = env.observe(env.items("train")[0])
     for i, agent in enumerate(trainer.team):
         assert agent.prompt(first[i]) == chat_prompt(tokenizer, env.roles[i], first[i]), "prompts differ"
     setup_seconds = time.perf_counter() - started
     policies = [_policy(agent) for agent in trainer.team]
+    if spec.minutes:
+        clock = TrainingClock(60 * spec.minutes, 60 * spec.eval_every_minutes,
+                              lambda: evaluate(policies, tokenizer, env, spec)[0])
+        trainer.train_step()
+        while not clock.step_done():
+            trainer.train_step()
+        return {"setup_seconds": setup_seconds, **clock.result()}
     before = evaluate(policies, tokenizer, env, spec) if spec.eval_before else None
     history, memory = [], {}
     with training_memory(memory):
@@ -224,6 +290,8 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
     class TimedMAGRPOTrainer(MAGRPOTrainer):
         """CoMLRL's trainer unchanged, with clocks and a token counter around its generation and update."""
 
+        clock: TrainingClock | None = None
+
         def start_clock(self, eos_token_id: int) -> None:
             self.eos_token_id = eos_token_id
             self.generation_seconds = self.update_seconds = 0.0
@@ -249,6 +317,8 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
             super()._drain_ready_buffers(ready_agents)
             if ready_agents:  # an update of the agents: the end of one step
                 self.update_ends.append(time.perf_counter())
+                if self.clock is not None and self.clock.step_done():
+                    raise BudgetSpent
 
     started = time.perf_counter()
     env = make_env(spec)
@@ -296,6 +366,14 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
     setup_seconds = time.perf_counter() - started
     eval_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policies = [lambda model=model: model for model in trainer.agents]
+    if spec.minutes:
+        trainer.clock = TrainingClock(60 * spec.minutes, 60 * spec.eval_every_minutes,
+                                      lambda: evaluate(policies, eval_tokenizer, env, spec)[0])
+        with contextlib.suppress(BudgetSpent):
+            trainer.train()
+        if trainer.clock.curve[-1]["train_seconds"] < 60 * spec.minutes:
+            raise RuntimeError(f"CoMLRL ran out of items ({spec.steps} steps) before {spec.minutes} minutes")
+        return {"setup_seconds": setup_seconds, **trainer.clock.result()}
     before = evaluate(policies, eval_tokenizer, env, spec) if spec.eval_before else None
     memory: dict[str, Any] = {}
     with training_memory(memory):
@@ -339,6 +417,9 @@ def main() -> None:
         result = run_comlrl(spec, model_dir)
     else:
         raise SystemExit(f"unknown library {library!r}; expected teamrl or comlrl")
+    if spec.minutes:  # a learning curve: its own result (comlrl_learning_curve.py)
+        Path(result_path).write_text(json.dumps({**result, "torch_threads": torch.get_num_threads()}, indent=2))
+        return
     joint_actions = spec.steps * joint_actions_per_step(spec)
     seconds = result["train_seconds"]
     result.update({
