@@ -358,11 +358,12 @@ def test_forked_children_share_one_memory_cap(bubblewrap):
     with SandboxPool(limits, workers=1) as hog_pool:
         record = hog_pool.run([Program(FORKING_HOG, [f"hog(4, {900 << 20})"])])[0]
     allocated = record.stdout.count("allocated")
-    assert allocated * (900 << 20) <= cap  # at most one child got its 0.9 GiB
     if hog_pool._backend.cgroups is not None:
+        # The cgroup's OOM killer ends the largest process when the group reaches the cap: often a child
+        # that already printed, so the next one then gets its block too. What holds is the group's peak.
         assert record.memory_peak_bytes is not None and record.memory_peak_bytes <= cap
-    else:
-        assert limits.split_memory_bytes < 900 << 20
+    else:  # each process gets its share of the cap, below one child's block
+        assert limits.split_memory_bytes < 900 << 20 and allocated == 0
 
 
 def test_without_a_cgroup_the_cap_is_split_over_the_processes(bubblewrap, monkeypatch):
