@@ -110,11 +110,17 @@ class CompareSettings:
     """Training steps per run, replacing the config's ``steps`` (0: keep them). A minute budget ends a run
     early; it never trains past these steps (learning-rate schedules are laid out over them)."""
     eval_every_steps: int = 0
+    """Evaluate every N training steps (0: off)."""
     eval_every_minutes: float = 0.0
+    """Evaluate every M training minutes (0: off); with neither, only at step 0 and at the end."""
     eval_items: int = 32
+    """Held-out items per evaluation (the split's first ones)."""
     eval_samples: int = 2
+    """Joint actions sampled per held-out item."""
     eval_seed: int = 0
+    """Sampling seed of every evaluation, apart from the training seed: every run is scored on the same draws."""
     parallel: int = 1
+    """Runs at a time (their minutes are then not a lone run's)."""
     threads: int = 0
     """torch threads per run (0: torch's default)."""
 
@@ -167,8 +173,8 @@ def _peak_rss_bytes() -> int:
 
 
 def item_standard_error(samples: Sequence[Mapping[str, Any]]) -> float:
-    """Standard error of the held-out mean return over items: a joint action's samples of one item are not
-    independent of each other, so each item counts once, by its mean return (0 with fewer than two items)."""
+    """Standard error of the held-out mean return over items: an item's joint actions are not independent of
+    each other, so each item counts once, by its mean return (0 with fewer than two items)."""
     by_item: dict[Any, list[float]] = {}
     for sample in samples:
         by_item.setdefault(sample["item"], []).append(sample["reward"])
