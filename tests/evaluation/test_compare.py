@@ -115,6 +115,24 @@ def test_the_report_files_say_what_ran(tmp_path):
     assert "fast &lt;b&gt;" in page and "fast <b>" not in page and "data:image/png;base64," in page
 
 
+def test_the_reward_parts_before_and_after_are_averaged_over_seeds(tmp_path):
+    def parted(seed, before, after, contender="fast"):
+        run = _run(seed, [(0, 0.0, 1.0), (10, 300.0, 2.0)], contender=contender)
+        run["curve"][0].update({"reward/structure": before[0], "reward/tests": before[1]})
+        run["curve"][1].update({"reward/structure": after[0], "reward/tests": after[1]})
+        return run
+
+    runs = {"fast": [parted(0, (0.2, 0.0), (0.8, 0.5)), parted(1, (0.4, 0.0), (1.0, 0.3))],
+            "plain": [_run(0, [(0, 0.0, 1.0), (4, 120.0, 1.2)], contender="plain")]}
+    assert compare.reward_parts(runs) == ["structure", "tests"]  # not mean, std or se
+    assert compare.parts_rows(runs) == [["fast", "0.30 -> 0.90", "0.00 -> 0.40"], ["plain", "-", "-"]]
+    table = compare.write_report(runs, tmp_path)["results.md"].read_text()
+    assert "| contender | structure | tests |" in table and "| fast | 0.30 -> 0.90 | 0.00 -> 0.40 |" in table
+    assert "0.30 -&gt; 0.90" in (tmp_path / "report.html").read_text()
+    # no parts, no table
+    assert "reward's parts" not in compare.render_markdown({"plain": runs["plain"]})
+
+
 def test_a_run_evaluates_at_step_zero_on_its_schedule_and_at_its_end(tiny_config_data, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config_data(steps=3)))

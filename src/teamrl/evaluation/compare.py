@@ -13,7 +13,8 @@ re-run skips the runs already there, so a killed comparison continues where it s
 
 * ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
   and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
-  step and the peak memory; ``results.md`` also has each run's curve;
+  step and the peak memory; ``results.md`` also has the reward's parts (levels) before and after and each
+  run's curve;
 * ``results.json``: every run's settings, evaluations (with the standard error over items) and steps;
 * ``curve.png``: held-out return against training minutes, each contender's seed mean and min..max band;
 * ``report.html``: the tables and the plot in one self-contained file.
@@ -377,6 +378,8 @@ def summary_rows(summaries: Sequence[Summary]) -> list[list[str]]:
              f"{s.seconds_per_step:.1f}", f"{s.peak_memory_gib:.2f}"] for s in summaries]
 
 
+PARTS_CAPTION = "The reward's parts, held-out mean over seeds, at step 0 -> at the end:"
+
 CURVE_HEADERS = ("run", "held-out return at each evaluation (step: return)", "final ± SE (items)",
                  *(f"min to +{gain:g}" for gain in GAINS))
 
@@ -391,6 +394,32 @@ def curve_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[list[str
                          ", ".join(f"{p['step']}: {p['reward/mean']:.2f}" for p in run["curve"]),
                          f"{last['reward/mean']:.3f} ± {last.get('reward/se', 0.0):.3f}",
                          *("-" if m is None else f"{m:.1f}" for m in (minutes_to_gain(run, g) for g in GAINS))])
+    return rows
+
+
+#: An evaluation's numbers that are not one of the reward's parts (``reward/PART``).
+NOT_PARTS = ("reward/mean", "reward/std", "reward/se")
+
+
+def reward_parts(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """The reward's parts (levels) the runs' evaluations report, ``reward/PART`` -> ``PART``, first seen first."""
+    names = {key.removeprefix("reward/"): None for mine in runs.values() for run in mine for point in run["curve"]
+             for key in point if key.startswith("reward/") and key not in NOT_PARTS}
+    return list(names)
+
+
+def parts_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[list[str]]:
+    """Per contender, each reward part's mean over seeds at step 0 and at the end: ``0.40 -> 0.86``."""
+    parts = reward_parts(runs)
+    rows = []
+    for name, mine in runs.items():
+        cells = []
+        for part in parts:
+            ends = [(run["curve"][0].get(f"reward/{part}"), run["curve"][-1].get(f"reward/{part}")) for run in mine]
+            ends = [(before, after) for before, after in ends if before is not None and after is not None]
+            cells.append(f"{statistics.fmean(b for b, _ in ends):.2f} -> {statistics.fmean(a for _, a in ends):.2f}"
+                         if ends else "-")
+        rows.append([name, *cells])
     return rows
 
 
@@ -421,11 +450,13 @@ def contender_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str
 
 
 def render_markdown(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """results.md: the summary per contender, then each run's curve."""
+    """results.md: the summary per contender, the reward's parts before and after, then each run's curve."""
     summaries = [summarise(name, mine) for name, mine in runs.items()]
     contenders = "".join(f"- {line}\n" for line in contender_lines(runs))
+    parts = reward_parts(runs)
+    levels = ([PARTS_CAPTION, "", _markdown_table(("contender", *parts), parts_rows(runs)), ""] if parts else [])
     return "\n".join([describe(runs), "", contenders, _markdown_table(SUMMARY_HEADERS, summary_rows(summaries)), "",
-                      _markdown_table(CURVE_HEADERS, curve_rows(runs)), ""])
+                      *levels, _markdown_table(CURVE_HEADERS, curve_rows(runs)), ""])
 
 
 def write_csv(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> None:
@@ -468,6 +499,7 @@ def render_html(runs: Mapping[str, Sequence[Mapping[str, Any]]], plot: Path) -> 
     from teamrl.evaluation.report import _STYLE, _html_table
 
     summaries = [summarise(name, mine) for name, mine in runs.items()]
+    parts = reward_parts(runs)
     image = base64.b64encode(plot.read_bytes()).decode("ascii")
     escaped = lambda rows: [[html.escape(cell) for cell in row] for row in rows]  # noqa: E731
     body = "\n".join([
@@ -476,6 +508,8 @@ def render_html(runs: Mapping[str, Sequence[Mapping[str, Any]]], plot: Path) -> 
         "<h2>Per contender</h2>", _html_table(SUMMARY_HEADERS, escaped(summary_rows(summaries))),
         f'<figure><img src="data:image/png;base64,{image}" alt="held-out return against training minutes">'
         "<figcaption>Held-out joint return against training minutes (seed mean, band min..max)</figcaption></figure>",
+        *([f"<h2>Reward parts</h2><p>{html.escape(PARTS_CAPTION)}</p>",
+           _html_table(("contender", *parts), escaped(parts_rows(runs)))] if parts else []),
         "<h2>Per run</h2>", _html_table(CURVE_HEADERS, escaped(curve_rows(runs)))])
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>teamrl compare</title>'
             f"<style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n")
