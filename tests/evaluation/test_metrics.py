@@ -14,6 +14,7 @@ import pytest
 from teamrl.evaluation.metrics import (
     accuracy_at_k,
     normalised_return,
+    paired_difference,
     pass_at_k,
     pass_at_k_many,
     summarise_levels,
@@ -195,3 +196,23 @@ def test_summarise_levels_rejects_bad_arguments_naming_them():
         summarise_levels([{}, [1.0]])
     with pytest.raises(ValueError, match=r"reward_parts_list\[0\]\['tests'\] must be finite"):
         summarise_levels([{"tests": float("nan")}])
+
+
+def test_a_paired_difference_counts_each_item_once_by_its_mean():
+    team = {"a": [2.0, 3.0], "b": [1.0, 1.0], "c": [3.0, 2.0]}
+    baseline = {"a": [1.0, 1.0], "b": [1.5], "c": [1.0, 2.0]}
+    # item differences: 2.5 - 1 = 1.5, 1 - 1.5 = -0.5, 2.5 - 1.5 = 1.0: mean 2/3, sample sd sqrt(13/12) over sqrt(3)
+    difference, se, items = paired_difference(team, baseline)
+    assert difference == pytest.approx(2 / 3) and items == 3
+    assert se == pytest.approx(math.sqrt(13 / 12) / math.sqrt(3))
+    assert paired_difference({"a": [1.0]}, {"a": [0.25]}) == (0.75, 0.0, 1)
+    # a baseline that is better everywhere by the same amount: a negative difference with no spread
+    assert paired_difference(baseline | {"b": [1.0, 2.0]}, {k: [v + 1 for v in r] for k, r in baseline.items()}
+                             | {"b": [2.0, 3.0]}) == (-1.0, 0.0, 3)
+
+
+def test_a_paired_difference_refuses_methods_that_answered_other_items():
+    with pytest.raises(ValueError, match="different items"):
+        paired_difference({"a": [1.0]}, {"b": [1.0]})
+    with pytest.raises(ValueError, match="item 'a' has no reward"):
+        paired_difference({"a": []}, {"a": [1.0]})

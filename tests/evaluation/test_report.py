@@ -20,6 +20,7 @@ from teamrl.evaluation.report import (
     render_html,
     render_markdown,
     table_rows,
+    versus_rows,
     write_report,
 )
 from teamrl.evaluation.runner import EvalResults, Method, MethodResult
@@ -76,7 +77,25 @@ def test_the_markdown_table_has_one_row_per_method(tiny_eval, written):
     for result, cells in zip(results.methods, table_rows(results, main_columns(results))):
         assert "| " + " | ".join(cells) + " |" in text
         assert f"**{result.method.title}** (`{result.method.spec}`): {result.method.description}" in text
-    assert text.count(f"| {results.methods[0].method.title} |") == 2  # the results and the counts table
+    tables = text.split("## Trained teams against")[0]  # after it, methods are also named as a team's opponents
+    assert tables.count(f"| {results.methods[0].method.title} |") == 2  # the results and the counts table
+
+
+def test_each_trained_team_is_set_against_every_other_method_paired_by_item(tiny_eval, written):
+    results = tiny_eval.results
+    teams = [r for r in results.methods if r.method.team_dir is not None]
+    others = [r for r in results.methods if r.method.team_dir is None]
+    rows = versus_rows(results)
+    assert [(row[0], row[1]) for row in rows] == [(t.method.title, o.method.title) for t in teams for o in others]
+    # the difference is the difference of the two methods' means (every item has the same number of samples)
+    for row, (team, other) in zip(rows, [(t, o) for t in teams for o in others]):
+        assert float(row[2]) == pytest.approx(team.metrics["reward_mean"] - other.metrics["reward_mean"], abs=1e-3)
+        assert float(row[3]) >= 0
+    out, files = written
+    assert "## Trained teams against each other method (paired by item)" in files["results.md"].read_text()
+    assert "Trained teams against each other method" in files["report.html"].read_text()
+    no_team = dataclasses.replace(results, methods=others)
+    assert versus_rows(no_team) == [] and "paired by item" not in render_markdown(no_team)
 
 
 def test_csv_and_json_hold_every_metric_and_sample(tiny_eval, written):

@@ -1,4 +1,5 @@
-"""Evaluation metrics of a team: pass@k, accuracy@k, normalised return, throughput, reward levels.
+"""Evaluation metrics of a team: pass@k, accuracy@k, normalised return, throughput, reward levels, and the
+paired difference of two methods' rewards.
 
 All functions are pure and take plain Python numbers (NumPy scalars work too); each raises
 ``TypeError``/``ValueError`` naming the offending argument instead of returning a meaningless value.
@@ -10,6 +11,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from numbers import Real
+from typing import Any
 
 
 def _count(name: str, value: object) -> int:
@@ -154,3 +156,33 @@ def summarise_levels(reward_parts_list: Sequence[Mapping[str, float]]) -> dict[s
         for name, value in parts.items():
             sums[name] = sums.get(name, 0.0) + _finite(f"reward_parts_list[{index}][{name!r}]", value)
     return {name: total / len(reward_parts_list) for name, total in sums.items()}
+
+
+def paired_difference(rewards_a: Mapping[Any, Sequence[float]], rewards_b: Mapping[Any, Sequence[float]],
+                      ) -> tuple[float, float, int]:
+    """How much method A's reward exceeds method B's on the same items: ``(difference, standard error, items)``.
+
+    ``rewards_x`` maps each item to the rewards of x's joint actions on it. Each item counts once, by its
+    mean reward under A minus its mean under B (the joint actions of one item are not independent of each
+    other, and pairing by item takes out how hard each item is); the standard error is the sample standard
+    deviation of those differences over the square root of the number of items (0.0 with one item).
+
+    Raises:
+        ValueError: the two methods did not answer the same items, or an item has no reward.
+    """
+    if set(rewards_a) != set(rewards_b):
+        raise ValueError(f"the methods answered different items ({len(rewards_a)} and {len(rewards_b)}); "
+                         f"compare methods evaluated on the same items")
+    if not rewards_a:
+        raise ValueError("no items to compare")
+    differences = []
+    for item, rewards in rewards_a.items():
+        if not rewards or not rewards_b[item]:
+            raise ValueError(f"item {item!r} has no reward for one of the methods")
+        differences.append(sum(rewards) / len(rewards) - sum(rewards_b[item]) / len(rewards_b[item]))
+    count = len(differences)
+    mean = sum(differences) / count
+    if count < 2:
+        return mean, 0.0, count
+    variance = sum((d - mean) ** 2 for d in differences) / (count - 1)
+    return mean, math.sqrt(variance / count), count

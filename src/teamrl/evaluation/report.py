@@ -4,7 +4,8 @@ Files in the output folder:
 
 * ``results.md``: the results table (one row per method: normalised return, mean reward, pass@k,
   accuracy@k and tests passed for coding tasks, tokens and time per joint answer, tokens/s), the mean
-  reward per level, the cooperation schemes of coding tasks and what each method is.
+  reward per level, the cooperation schemes of coding tasks, each saved team against every other method
+  (the reward difference paired by item, its standard error and their ratio) and what each method is.
 * ``results.csv``: one row per method, every metric in its own column.
 * ``results.json``: the settings, the config, and per method its metrics and every joint action
   (what each agent saw and wrote, the reward and its parts).
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from teamrl.evaluation.metrics import paired_difference
 from teamrl.evaluation.plots import plot_methods, plot_reward_curve, plot_schemes
-from teamrl.evaluation.runner import EvalResults
+from teamrl.evaluation.runner import EvalResults, MethodResult
 from teamrl.evaluation.schemes import SCHEMES
 
 RESULTS_MD, RESULTS_CSV, RESULTS_JSON, REPORT_HTML = "results.md", "results.csv", "results.json", "report.html"
@@ -89,6 +91,33 @@ def summary_line(results: EvalResults) -> str:
             f"{results.config.get('seed')}; model {results.config.get('team', {}).get('model')!r}.")
 
 
+VERSUS_TITLE = "Trained teams against each other method (paired by item)"
+VERSUS_HEADERS = ("Team", "Against", "Reward difference", "SE", "Difference / SE")
+
+
+def _rewards_by_item(result: MethodResult) -> dict[Any, list[float]]:
+    by_item: dict[Any, list[float]] = {}
+    for sample in result.samples:
+        by_item.setdefault(sample["item"], []).append(sample["reward"])
+    return by_item
+
+
+def versus_rows(results: EvalResults) -> list[list[str]]:
+    """Each saved team against every method that is not a saved team: how much higher its mean reward is, the
+    standard error of that difference over items (:func:`~teamrl.evaluation.metrics.paired_difference`), and
+    the ratio (above 2: the team is ahead by more than two standard errors). Empty without a team and another
+    method."""
+    teams = [result for result in results.methods if result.method.team_dir is not None]
+    others = [result for result in results.methods if result.method.team_dir is None]
+    rows = []
+    for team in teams:
+        for other in others:
+            difference, se, _ = paired_difference(_rewards_by_item(team), _rewards_by_item(other))
+            ratio = f"{difference / se:+.1f}" if se > 0 else "-"
+            rows.append([team.method.title, other.method.title, f"{difference:+.3f}", f"{se:.3f}", ratio])
+    return rows
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub-flavoured Markdown table (``|`` in a cell is escaped)."""
     def line(cells: Sequence[str]) -> str:
@@ -107,6 +136,9 @@ def render_markdown(results: EvalResults) -> str:
     parts = [f"# teamrl eval: {results.env_name}", summary_line(results)]
     for title, columns in tables(results):
         parts += [f"## {title}", markdown_results(results, columns)]
+    versus = versus_rows(results)
+    if versus:
+        parts += [f"## {VERSUS_TITLE}", markdown_table(VERSUS_HEADERS, versus)]
     parts.append("## Methods")
     parts.append("\n".join(f"- **{r.method.title}** (`{r.method.spec}`): {r.method.description}"
                            for r in results.methods))
@@ -211,6 +243,10 @@ def render_html(results: EvalResults, plots: Mapping[str, Path]) -> str:
         parts += [f"<h2>{html.escape(title)}</h2>",
                   _html_table(["Method", *(c.header for c in columns)],
                               [[html.escape(cell) for cell in row] for row in table_rows(results, columns)])]
+    versus = versus_rows(results)
+    if versus:
+        parts += [f"<h2>{html.escape(VERSUS_TITLE)}</h2>",
+                  _html_table(VERSUS_HEADERS, [[html.escape(cell) for cell in row] for row in versus])]
     for caption, path in plots.items():
         data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
         parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(caption)}">'
