@@ -3,14 +3,15 @@ settings, on the same items, reward and evaluation.
 
 Where ``comlrl_side_by_side.py`` makes both libraries do identical work to compare their speed, this asks
 what a user gets per minute: teamrl trains its main job's preset as it ships (``demo_tldr_cpu``: LoRA
-adapters on one shared base), CoMLRL its published defaults (two fully fine-tuned SmolLM2-135M-Instruct,
-lr 5e-6, G = 4, one abstract per update, 64 new tokens, temperature 0.7). Both train on teamrl's ``tldr``
-task over the offline ``aclsum`` abstracts with its joint reward, from the bundled model's local
-directory, for ``--minutes`` of training (wall clock, evaluations left out). One evaluation function
-(``side_by_side_worker.evaluate``: Hugging Face ``generate`` on each agent's model, seeded) scores both
-teams on the same held-out abstracts at the start, every ``--eval-every-minutes`` and at the end, at
-each library's own sampling temperature. Each run is a worker process of its own; libraries alternate
-which goes first per seed.
+adapters on one shared base; its steps, about 5 minutes' worth, scaled to the budget so that its
+learning-rate schedule spans it: :func:`teamrl_steps`), CoMLRL its published defaults (two fully
+fine-tuned SmolLM2-135M-Instruct, lr 5e-6, G = 4, one abstract per update, 64 new tokens, temperature
+0.7). Both train on teamrl's ``tldr`` task over the offline ``aclsum`` abstracts with its joint reward,
+from the bundled model's local directory, for ``--minutes`` of training (wall clock, evaluations left
+out). One evaluation function (``side_by_side_worker.evaluate``: Hugging Face ``generate`` on each
+agent's model, seeded) scores both teams on the same held-out abstracts at the start, every
+``--eval-every-minutes`` and at the end, at each library's own sampling temperature. Each run is a
+worker process of its own; libraries alternate which goes first per seed.
 
     pip install -e '.[bench]'                                    # CoMLRL 1.4.3 next to teamrl
     python benchmarks/comlrl_learning_curve.py --out runs/learning_curve_vs_comlrl --minutes 15 \\
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,17 @@ from teamrl.evaluation import compare
 #: Each library's own settings: teamrl's main-job preset; CoMLRL 1.4.3's published defaults.
 TEAMRL_PRESET = "demo_tldr_cpu"
 COMLRL_DEFAULTS = {"items": 1, "num_generations": 4, "max_new_tokens": 64, "lr": 5e-6, "temperature": 0.7}
-#: Steps a run may take at most: more than any budget here buys (CoMLRL needs its items listed up front).
+#: Steps a CoMLRL run may take at most: more than any budget here buys (it needs its items listed up front).
 MAX_STEPS = 2000
+#: The training minutes the preset's ``steps`` take on 2 cores (docs/training.md): its learning-rate schedule
+#: decays to 0 at the last step, so a budget of M minutes gets the preset's steps x M / PRESET_MINUTES.
+PRESET_MINUTES = 5.0
+
+
+def teamrl_steps(preset_steps: int, minutes: float) -> int:
+    """teamrl's steps for a budget of ``minutes``: the preset's, scaled so that its schedule spans the budget
+    (a faster machine ends them early; a slower one runs out of minutes first, its learning rate not yet 0)."""
+    return max(1, math.ceil(preset_steps * minutes / PRESET_MINUTES))
 
 
 def specs(args: argparse.Namespace, seed: int) -> dict[str, RunSpec]:
@@ -46,14 +57,16 @@ def specs(args: argparse.Namespace, seed: int) -> dict[str, RunSpec]:
     from teamrl.config import load_config
 
     preset = load_config(TEAMRL_PRESET)
-    shared = {"turns": 1, "steps": MAX_STEPS, "seed": seed, "minutes": args.minutes,
+    shared = {"turns": 1, "seed": seed, "minutes": args.minutes,
               "eval_every_minutes": args.eval_every_minutes, "eval_items": args.eval_items,
               "eval_samples": args.eval_samples, "eval_seed": args.eval_seed, "threads": args.threads,
               "max_text_chars": preset.env.kwargs["max_text_chars"]}
-    teamrl = RunSpec(**shared, items=preset.items_per_step, num_generations=preset.algorithm.num_generations,
-                     max_new_tokens=preset.team.sampling.max_new_tokens, temperature=preset.team.sampling.temperature,
-                     teamrl_training=preset.team.training, teamrl_lr=preset.optim.lr, teamrl_preset=TEAMRL_PRESET)
-    return {"teamrl": teamrl, "comlrl": RunSpec(**shared, **COMLRL_DEFAULTS)}
+    teamrl = RunSpec(**shared, steps=teamrl_steps(preset.steps, args.minutes), items=preset.items_per_step,
+                     num_generations=preset.algorithm.num_generations,
+                     max_new_tokens=preset.team.sampling.max_new_tokens,
+                     temperature=preset.team.sampling.temperature, teamrl_training=preset.team.training,
+                     teamrl_lr=preset.optim.lr, teamrl_preset=TEAMRL_PRESET)
+    return {"teamrl": teamrl, "comlrl": RunSpec(**shared, steps=MAX_STEPS, **COMLRL_DEFAULTS)}
 
 
 def as_compare_run(entrant: str, spec: RunSpec, result: dict[str, Any]) -> dict[str, Any]:

@@ -137,6 +137,11 @@ class TrainingClock:
             self._resumed = time.perf_counter()
         return spent
 
+    def finish(self) -> None:
+        """Training ended before the budget was spent: evaluate the final weights unless that was just done."""
+        if self.curve[-1]["step"] != self.steps:
+            self._record()
+
     def result(self) -> dict[str, Any]:
         """What the worker reports in learning-curve mode."""
         return {"curve": self.curve, "step_times": self.step_seconds, "train_seconds": self.train_seconds,
@@ -244,9 +249,12 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     if spec.minutes:
         clock = TrainingClock(60 * spec.minutes, 60 * spec.eval_every_minutes,
                               lambda: evaluate(policies, tokenizer, env, spec)[0])
-        trainer.train_step()
-        while not clock.step_done():
+        for _ in range(spec.steps):  # the preset's schedule ends at its last step, whatever the minutes left
             trainer.train_step()
+            if clock.step_done():
+                break
+        else:
+            clock.finish()
         return {"setup_seconds": setup_seconds, **clock.result()}
     before = evaluate(policies, tokenizer, env, spec) if spec.eval_before else None
     history, memory = [], {}

@@ -51,7 +51,8 @@ def test_the_teamrl_worker_trains_the_preset_as_it_ships(bench, worker, tmp_path
     (tmp_path / "model").mkdir()
     config = worker.teamrl_trainer_config(spec, tmp_path / "model", tmp_path / "run")
     preset = load_config("demo_tldr_cpu")
-    assert config.team.model == str(tmp_path / "model") and config.seed == 1 and config.steps == bench.MAX_STEPS
+    # 15 minutes: three times the preset's 5 minutes of steps, so that its learning-rate schedule spans them
+    assert config.team.model == str(tmp_path / "model") and config.seed == 1 and config.steps == 3 * preset.steps
     assert config.optim == preset.optim and config.algorithm == preset.algorithm
     assert config.team.lora == preset.team.lora and config.team.sampling == preset.team.sampling
 
@@ -76,6 +77,21 @@ def test_the_clock_counts_training_only_and_evaluates_on_its_schedule(worker, mo
     assert [(p["step"], p["train_seconds"], p["reward/mean"]) for p in clock.curve] == [
         (0, 0.0, 1.0), (3, 150.0, 1.5), (5, 250.0, 2.0)]
     assert clock.result()["step_times"] == [50.0] * 5 and clock.result()["train_seconds"] == 250.0
+
+
+def test_the_teamrl_steps_scale_with_the_budget(bench):
+    assert bench.teamrl_steps(24, 15.0) == 72 and bench.teamrl_steps(24, 5.0) == 24
+    assert bench.teamrl_steps(24, 0.2) == 1 and bench.teamrl_steps(24, 1.0) == 5  # rounded up, at least one
+    assert bench.specs(_args(), seed=0)["comlrl"].steps == bench.MAX_STEPS
+
+
+def test_a_clock_whose_training_ends_early_evaluates_the_last_step_once(worker, monkeypatch):
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: 0.0)
+    clock = worker.TrainingClock(budget_seconds=1e9, every_seconds=0.0, evaluate=lambda: 1.0)
+    clock.step_done()
+    clock.finish()
+    clock.finish()
+    assert [point["step"] for point in clock.curve] == [0, 1]
 
 
 def test_a_worker_curve_reads_as_a_compare_run(bench):
