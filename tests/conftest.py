@@ -71,19 +71,38 @@ def lora_team(tiny_config):
     return make
 
 
-@pytest.fixture
-def train_and_evaluate():
-    """``train_and_evaluate(config)`` -> (held-out reward before, after, every step's metrics): a learning test's
-    run, ``config.steps`` steps between two evaluations of 4 samples per held-out item."""
-    from teamrl.train import Trainer
+class TrainAndEvaluate:
+    """``train_and_evaluate(config, stop_at=None, keys=("reward/mean",))`` -> (held-out reward before, after, every
+    step's metrics): a learning test's run between two evaluations of 4 samples per held-out item. It trains
+    ``config.steps`` steps, or, given ``stop_at``, stops earlier once the training reward has converged: once the
+    mean of each of ``keys`` over the last 5 steps is at least ``stop_at``. ``.trainer``: the last run's trainer.
 
-    def run(config):
+    ``stop_at`` is a training-reward level above what the test then asks of the held-out evaluation, which
+    draws its own samples: a run that gets there has learned; one that never does trains the full
+    ``config.steps`` and is judged the same way."""
+
+    trainer = None
+
+    def __call__(self, config, stop_at: float | None = None, keys=("reward/mean",)):
+        from teamrl.train import Trainer
+
         with Trainer(config) as trainer:
+            self.trainer = trainer
             before = trainer.evaluate(num_samples=4)["reward/mean"]
-            history = [trainer.train_step() for _ in range(config.steps)]
+            history = []
+            while len(history) < config.steps and not (stop_at is not None and converged(history, keys, stop_at)):
+                history.append(trainer.train_step())
             return before, trainer.evaluate(num_samples=4)["reward/mean"], history
 
-    return run
+
+@pytest.fixture
+def train_and_evaluate():
+    return TrainAndEvaluate()
+
+
+def converged(history: list[dict], keys, level: float, window: int = 5) -> bool:
+    """Whether each of ``keys`` averages at least ``level`` over the last ``window`` steps of ``history``."""
+    return len(history) >= window and all(sum(h[key] for h in history[-window:]) / window >= level for key in keys)
 
 
 @pytest.fixture(autouse=True)

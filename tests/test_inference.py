@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -46,15 +43,16 @@ def test_shared_base_agents_generate_in_one_mixed_batch_like_separately(tiny_con
     assert together.tokens > 0 and together.seconds > 0
 
 
-def test_teamrl_generate_runs_a_saved_team(tiny_config, tmp_path):
+def test_teamrl_generate_runs_a_saved_team(tiny_config, tmp_path, capsys):
+    # In this process; tests/test_cli.py runs `python -m teamrl.cli generate` in a process of its own.
     trainer = Trainer(tiny_config(steps=1))
     trainer.train_step()
     directory = trainer.save_team(tmp_path / "team")
-    result = subprocess.run([sys.executable, "-m", "teamrl.cli", "generate", str(directory), "--split", "eval",
-                             "--limit", "2"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("joint reward") == 2
-    assert "tokens/s" in result.stdout and "--- first" in result.stdout and "--- second" in result.stdout
+    capsys.readouterr()  # what saving printed
+    code, out, err = _generate(capsys, str(directory), "--split", "eval", "--limit", "2")
+    assert code == 0, err
+    assert out.count("joint reward") == 2
+    assert "tokens/s" in out and "--- first" in out and "--- second" in out
 
 
 def _generate(capsys, *argv: str) -> tuple[int, str, str]:

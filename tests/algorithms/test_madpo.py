@@ -138,7 +138,9 @@ def test_config_refuses_what_madpo_cannot_do_naming_the_field(tiny_config, overr
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_madpo_team_learns_digit_sum(tiny_config, train_and_evaluate, seed):
-    before, after, _ = train_and_evaluate(tiny_config(seed=seed, steps=60, algorithm={"name": "madpo"}))
+    # At most 60 steps, stopping once the training reward has converged (0.92, 0.07 above the threshold).
+    before, after, _ = train_and_evaluate(tiny_config(seed=seed, steps=60, algorithm={"name": "madpo"}), stop_at=0.92)
     assert before < 0.3
-    # Measured after 60 steps: 1.00, 1.00, 0.99 (seeds 0, 1, 2); MAGRPO's test asks for the same 0.85.
+    # Measured: 0.97, 0.97, 0.94 after 41, 45, 51 steps (seeds 0, 1, 2; after all 60 steps: 1.00, 1.00, 0.99);
+    # MAGRPO's test asks for the same 0.85.
     assert after > 0.85, f"seed {seed}: held-out joint reward only went {before:.2f} -> {after:.2f}"

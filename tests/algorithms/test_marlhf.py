@@ -94,13 +94,15 @@ def test_an_agent_named_like_the_reward_model_is_refused(tiny_config):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_marlhf_team_learns_digit_sum_from_learned_rewards(tiny_config, train_and_evaluate, seed):
-    # 10 steps of preferences from the untrained team, then 60 of MAGRPO on the learned reward, whose
-    # preferences are refreshed every second step.
+    # 10 steps of preferences from the untrained team, then up to 60 of MAGRPO on the learned reward, whose
+    # preferences are refreshed every second step, until the training reward has converged (0.92, 0.07
+    # above the held-out threshold).
     algorithm = {"name": "marlhf", "preference": {"pairs": "all"},
                  "reward_model": {"steps": 10, "refresh_every": 2, "lr": 1e-3}}
-    before, after, history = train_and_evaluate(tiny_config(seed=seed, steps=70, algorithm=algorithm))
+    before, after, history = train_and_evaluate(tiny_config(seed=seed, steps=70, algorithm=algorithm), stop_at=0.92)
     assert before < 0.3
-    # Measured: 0.19 -> 1.00, 0.12 -> 1.00, 0.14 -> 1.00 (seeds 0, 1, 2); MAGRPO's test asks for the same 0.85.
+    # Measured: 0.19 -> 0.97, 0.12 -> 0.96, 0.14 -> 0.95 after 44, 46, 49 steps (seeds 0, 1, 2; all 70 steps:
+    # 1.00 each); MAGRPO's test asks for the same 0.85.
     assert after > 0.85, f"seed {seed}: held-out joint reward only went {before:.2f} -> {after:.2f}"
     # The reward model ranks the untrained team's fresh pairs better than chance after its first steps
     # (measured over steps 6-10: 0.73, 0.74, 0.72; over steps 1-5: 0.60, 0.57, 0.54).
