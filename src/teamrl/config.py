@@ -164,7 +164,9 @@ class CriticConfig:
         "PPO value clipping: later passes keep V within old V +- value_clip (reward units); empty = off.", 0.2
     )
     gae_lambda: float = _doc("GAE's lambda over the tree: 1 = Monte-Carlo (A = R - V), 0 = one-step TD.", 1.0)
-    normalize_advantages: bool = _doc("Whiten each agent's advantages over the step (mean 0, std 1).", False)
+    normalize_advantages: bool = _doc(
+        "Whiten each agent's advantages over the step (mean 0, std 1), as PPO and CoMLRL do by default.", True
+    )
 
     def validate(self, path: str) -> None:
         _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)

@@ -114,7 +114,8 @@ def _record_updates(trainer):
 @pytest.mark.parametrize("turns", [1, 2])
 def test_the_agents_learn_from_their_critics_advantage(tiny_config, name, turns):
     trainer = Trainer(tiny_config(steps=1, items_per_step=2, algorithm={
-        "name": name, "num_generations": 4, "num_turns": turns, "critic": {"value_clip": None}}))
+        "name": name, "num_generations": 4, "num_turns": turns,
+        "critic": {"value_clip": None, "normalize_advantages": False}}))
     critics = trainer.algorithm.critics
     baselines = [0.3, -0.2] if name == "iac" else [0.1]
     assert [c.name for c in critics] == (["critic.first", "critic.second"] if name == "iac" else ["critic"])
@@ -137,6 +138,22 @@ def test_the_agents_learn_from_their_critics_advantage(tiny_config, name, turns)
         assert metrics[f"{critic.name}/loss"] == pytest.approx(float(((every - baseline) ** 2).mean()), rel=1e-5)
         assert metrics[f"{critic.name}/value_mean"] == pytest.approx(baseline)
 
+
+
+@pytest.mark.parametrize("name", ["iac", "maac"])
+def test_by_default_each_agents_advantages_are_the_whitened_return_minus_value(tiny_config, name):
+    # Whitened per agent over the step: an untrained critic (V = 0 everywhere) must not hand every sample
+    # a positive advantage, which would make the first updates MAREINFORCE's.
+    trainer = Trainer(tiny_config(steps=1, items_per_step=2, algorithm={"name": name, "num_generations": 4}))
+    calls = _record_updates(trainer)
+    trainer.train_step()
+    tree = trainer._last_tree
+    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], 1.0)
+    raw = returns[0][..., 0].reshape(-1)  # V = 0: A = R before whitening
+    assert raw.std() > 0, "the returns of the step must vary for whitening to show"
+    expected = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-8)
+    for advantages in calls[0]:
+        torch.testing.assert_close(advantages[0], expected)
 
 def test_a_lora_teams_critics_are_adapters_on_its_shared_base_and_leave_the_agents_alone(tiny_config):
     trainer = Trainer(tiny_config(steps=1, team={"training": "lora", "lora": {"r": 4}},

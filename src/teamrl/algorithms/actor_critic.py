@@ -19,7 +19,9 @@ One step (:meth:`ActorCritic.learn`):
    A_{e,m} = delta_{e,m} + gamma lambda mean(A of the joint actions of e'). lambda = 1 (the default) is
    Monte-Carlo, A = R - V_old(s_e) with the tree's returns R; lambda = 0 is one-step TD.
    Agent i's part of joint action m gets A_{e,m} (``cross``: its sample the mean over the joint actions it
-   is in, :func:`~teamrl.algorithms.advantages.agent_advantages`); optionally whitened per agent.
+   is in, :func:`~teamrl.algorithms.advantages.agent_advantages`); then whitened per agent
+   (``critic.normalize_advantages``, on by default: under an untrained critic, V = 0, the unwhitened
+   advantages are the raw returns).
 3. Actors: every agent's policy-gradient update through its backend with these advantages, exactly as
    MAGRPO's (:meth:`~teamrl.backend.AgentBackend.update`: Eq. 2's loss, ratio clipping over
    ``num_iterations`` passes, KL, micro-batches).
