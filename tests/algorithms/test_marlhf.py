@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teamrl.algorithms.marlhf import REWARD_MODEL, labels
+from teamrl.algorithms.marlhf import REWARD_MODEL, labels, paired
 from teamrl.algorithms.preferences import bradley_terry_loss
 from teamrl.config import ConfigError, RewardModelConfig
 from teamrl.train import Trainer
@@ -37,6 +37,26 @@ def test_agents_wait_while_the_reward_model_learns_then_train_on_its_reward(tiny
     assert not all(torch.equal(a, b) for a, b in zip(weights(), agents_before))
     assert {"reward/mean", "return/mean", "reward_model/accuracy", "reward_model/score_mean"} <= set(second)
 
+
+
+def test_paired_keeps_the_texts_some_pair_reads_and_reindexes_the_pairs():
+    texts, sub = ["a", "b", "c", "d", "e"], (["a", "b", "d"], [2, 0], [1, 2])
+    kept, preferred, rejected = paired(texts, torch.tensor([3, 0]), torch.tensor([1, 3]))
+    assert (kept, preferred.tolist(), rejected.tolist()) == sub
+
+
+def test_a_collecting_step_reads_only_the_texts_of_its_pairs(tiny_config):
+    # The reward model's texts are every agent's observation and completion: scoring all G^n joint actions
+    # of a step that only learns from its pairs cost TL;DR runs most of their step time.
+    algorithm = {**MARLHF, "preference": {"pairs": "best_worst"}, "reward_model": {"steps": 2}}
+    trainer = Trainer(tiny_config(steps=2, items_per_step=2, algorithm=algorithm))
+    model, read = trainer.algorithm.reward_model, []
+    forward = model.forward
+    model.forward = lambda texts: (read.append(list(texts)), forward(texts))[1]
+    metrics = trainer.train_step()
+    pairs = int(metrics["reward_model/pairs"])
+    assert pairs > 0 and read and metrics["reward_model/trained"] == 1.0
+    assert max(len(texts) for texts in read) <= 2 * pairs < 2 * 4 * 4  # 2 items x G^2 joint actions
 
 def test_the_reward_models_micro_batched_update_follows_the_whole_bradley_terry_gradient(tiny_config):
     trainer = Trainer(tiny_config(steps=1, optim={"micro_batch_size": 3, "max_grad_norm": None}, algorithm=MARLHF))

@@ -92,6 +92,15 @@ def labels(step: int, settings: RewardModelConfig) -> bool:
     return rl_step < 1 or (settings.refresh_every > 0 and rl_step % settings.refresh_every == 0)
 
 
+def paired(texts: Sequence[str], preferred: torch.Tensor, rejected: torch.Tensor,
+           ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """The texts some pair (``preferred[k]``, ``rejected[k]``, indices into ``texts``) reads, in order, and
+    the pairs as indices into those."""
+    used = torch.unique(torch.cat([preferred, rejected]))  # sorted
+    return ([texts[i] for i in used.tolist()], torch.searchsorted(used, preferred),
+            torch.searchsorted(used, rejected))
+
+
 def joint_action_text(observations: Sequence[str], actions: Sequence[str]) -> str:
     """What the reward model reads of one joint action: each agent's observation, then its completion."""
     return "\n".join(f"{observation}\n{action}" for observation, action in zip(observations, actions))
@@ -129,23 +138,32 @@ class MARLHF:
             texts += [joint_action_text(turn.observations[e], turn.joint_action(e, m))
                       for e in range(len(turn.parents)) for m in range(num_joint)]
         preferred, rejected = torch.cat(preferred), torch.cat(rejected)
-        scores = self.scores(texts)
         labelled = labels(self.step, self.config.reward_model)
+        collecting = self.step < self.config.reward_model.steps  # the agents wait
+        # The reward model reads long texts, so it scores only what the step uses: the texts in a pair for
+        # its accuracy and training, every text only for the rewards of a step that trains the agents.
+        paired_texts, paired_w, paired_l = paired(texts, preferred, rejected)
+        scores = None if labelled or collecting else self.scores(texts)
+        if scores is None:
+            before = self.scores(paired_texts)
+            chosen, beaten = before[paired_w], before[paired_l]
+        else:
+            chosen, beaten = scores[preferred], scores[rejected]
         metrics = {
             "reward_model/pairs": float(len(preferred)),
-            "reward_model/accuracy": pairwise_accuracy(scores[preferred], scores[rejected]),
-            "reward_model/loss": float(bradley_terry_loss(scores[preferred], scores[rejected])),
+            "reward_model/accuracy": pairwise_accuracy(chosen, beaten),
+            "reward_model/loss": float(bradley_terry_loss(chosen, beaten)),
             "reward_model/trained": float(labelled),
         }
         if labelled and len(preferred):
-            self.train_reward_model(texts, preferred, rejected)
-            scores = self.scores(texts)
-        if self.step < self.config.reward_model.steps:  # collecting preferences: the agents wait
+            self.train_reward_model(paired_texts, paired_w, paired_l)
+        if collecting:
             per_agent, returns = advantages(tree, len(agents.names), self.config)
             metrics.update(rollout_metrics(tree, returns, per_agent))
             metrics.update({f"{name}/{key}": value for name in agents.names for key, value in
                             UpdateStats(1).result().items()})
         else:
+            scores = self.scores(texts) if scores is None else scores
             learned, start = Rollout(), 0
             for turn in tree.turns:
                 size = turn.rewards.shape[0] * turn.rewards.shape[1]
@@ -160,8 +178,8 @@ class MARLHF:
     def scores(self, texts: Sequence[str]) -> torch.Tensor:
         """(N,) the reward model's score of each text, without gradients, ``optim.micro_batch_size`` at a time."""
         with torch.no_grad():
-            return torch.cat([self.reward_model(texts[start:stop]).cpu()
-                              for start, stop in micro_batches(len(texts), self.micro_batch_size)])
+            return torch.cat([torch.empty(0), *(self.reward_model(texts[start:stop]).cpu()
+                                                for start, stop in micro_batches(len(texts), self.micro_batch_size))])
 
     def train_reward_model(self, texts: Sequence[str], preferred: torch.Tensor, rejected: torch.Tensor) -> None:
         """``reward_model.epochs`` AdamW steps on the Bradley-Terry loss of the pairs (``preferred[k]``,
