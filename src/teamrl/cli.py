@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="runs at a time (their minutes are then not a lone run's: see --help's docs)")
     compare.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     compare.add_argument("--out", default=None, help="output folder (default: runs/compare-ENV_OR_CONFIG)")
+    compare.add_argument("--report-only", action="store_true",
+                         help="train nothing: write the report of the runs OUT/results.json holds so far, each "
+                              "contender with the seeds it has (of --algorithms/--variant if given, else all)")
 
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
@@ -224,16 +227,19 @@ def _compare(args: argparse.Namespace) -> int:
     from teamrl.evaluation.compare import (
         CompareSettings,
         check_contenders,
+        finished_runs,
         parse_algorithms,
         parse_variant,
         run_all,
-        write_report,
     )
     from teamrl.evaluation.runner import task_source
 
+    out = Path(args.out or f"runs/compare-{Path(args.target).stem}")
     config, task = task_source(args.target)
     base = load_config(config, [*task, *args.overrides])
     contenders = [*parse_algorithms(args.algorithms, base), *(parse_variant(text) for text in args.variant)]
+    if args.report_only:
+        return _print_report(finished_runs(out, [contender.name for contender in contenders]), out)
     if not contenders:
         raise ValueError("give --algorithms NAME,NAME... or --variant 'NAME: field=value ...' (or both)")
     try:
@@ -246,12 +252,17 @@ def _compare(args: argparse.Namespace) -> int:
         eval_items=args.eval_items, eval_samples=args.eval_samples, eval_seed=args.eval_seed,
         parallel=args.parallel, threads=args.threads)
     check_contenders(settings, contenders)
-    out = Path(args.out or f"runs/compare-{Path(args.target).stem}")
     try:
         runs = run_all(settings, contenders, out)
     except RuntimeError as err:
         print(f"teamrl: error: {err}", file=sys.stderr)
         return 1
+    return _print_report(runs, out)
+
+
+def _print_report(runs: dict, out: Path) -> int:
+    from teamrl.evaluation.compare import write_report
+
     files = write_report(runs, out)
     print((out / "results.md").read_text())
     print("Written: " + ", ".join(str(path) for path in files.values()))

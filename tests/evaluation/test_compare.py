@@ -181,6 +181,27 @@ def test_the_runner_trains_each_run_in_its_own_process_names_a_failure_and_a_rer
         compare.run_all(CompareSettings(**{**settings.__dict__, "eval_items": 3}), [magrpo], out, log=print)
 
 
+def test_the_runs_finished_so_far_are_grouped_per_contender_in_seed_order(tmp_path):
+    with pytest.raises(ValueError, match="no finished runs there yet"):
+        compare.finished_runs(tmp_path)
+    points = [(0, 0.0, 1.0), (10, 300.0, 2.0)]
+    results = {"slow-seed1": _run(1, points, contender="slow"), "fast-seed0": _run(0, points),
+               "slow-seed0": _run(0, points, contender="slow")}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    runs = compare.finished_runs(tmp_path)
+    assert list(runs) == ["slow", "fast"]  # the order each contender's first run finished
+    assert [run["spec"]["seed"] for run in runs["slow"]] == [0, 1] and len(runs["fast"]) == 1
+    assert list(compare.finished_runs(tmp_path, ["fast", "slow"])) == ["fast", "slow"]
+    with pytest.raises(ValueError, match="no finished run of magrpo .it has slow, fast"):
+        compare.finished_runs(tmp_path, ["magrpo"])
+    results["fast-seed1"] = _run(1, points)
+    results["fast-seed1"]["spec"]["minutes"] = 5.0  # another budget: not one table
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ValueError, match="fast-seed1 and slow-seed1 differ in minutes"):
+        compare.finished_runs(tmp_path)
+    assert len(compare.finished_runs(tmp_path, ["slow"])["slow"]) == 2
+
+
 def test_the_command_line_refuses_a_comparison_without_contenders(capsys):
     assert main(["compare", "tiny_digit_sum"]) == 2
     assert "--algorithms NAME,NAME" in capsys.readouterr().err
@@ -201,3 +222,8 @@ def test_the_command_line_compares_and_writes_the_report(tiny_config_data, tmp_p
     assert spec["overrides"] == ["items_per_step=2"] and spec["steps"] == 1 and spec["seed"] == 3
     assert spec["contender_overrides"] == ["algorithm.name=maremax", "algorithm.advantage=null"]
     assert all((out / name).is_file() for name in ("results.md", "results.csv", "curve.png", "report.html"))
+    (out / "results.md").unlink()
+    assert main(["compare", str(config), "--report-only", "--out", str(out)]) == 0  # trains nothing
+    assert "| maremax | 1 |" in capsys.readouterr().out and (out / "results.md").is_file()
+    assert main(["compare", str(config), "--report-only", "--algorithms", "magrpo", "--out", str(out)]) == 2
+    assert "no finished run of magrpo" in capsys.readouterr().err

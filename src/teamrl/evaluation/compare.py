@@ -293,6 +293,44 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
             for contender in contenders}
 
 
+#: A run's settings that differ between the runs of one comparison; the others must match for a fair table.
+RUN_OWN_SETTINGS = ("contender", "contender_overrides", "seed", "run_dir")
+
+
+def finished_runs(out: str | Path, names: Sequence[str] = ()) -> dict[str, list[dict[str, Any]]]:
+    """The runs ``OUT/results.json`` holds so far, per contender in seed order, whatever seeds each has: the
+    report of a comparison still running or cut short (``teamrl compare --report-only``). ``names`` picks
+    contenders and their order; by default every contender, in the order its first run finished.
+
+    Raises:
+        ValueError: no results.json, a named contender without a finished run, or runs made with other
+            settings (another budget or evaluation), which one table must not mix.
+    """
+    results_path = Path(out) / RESULTS_JSON
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if not results:
+        raise ValueError(f"{results_path}: no finished runs there yet; give the --out of a comparison")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for run in results.values():
+        runs.setdefault(run["spec"]["contender"], []).append(run)
+    if names:
+        missing = [name for name in names if name not in runs]
+        if missing:
+            raise ValueError(f"{results_path}: no finished run of {', '.join(missing)} (it has "
+                             f"{', '.join(runs) or 'none'})")
+        runs = {name: runs[name] for name in names}
+    shared = lambda spec: {key: value for key, value in spec.items() if key not in RUN_OWN_SETTINGS}  # noqa: E731
+    chosen = [(key, run) for key, run in results.items() if run["spec"]["contender"] in runs]
+    first_key, first = chosen[0]
+    for key, run in chosen:
+        if shared(run["spec"]) != shared(first["spec"]):
+            differing = sorted(k for k in shared(run["spec"]).keys() | shared(first["spec"]).keys()
+                               if run["spec"].get(k) != first["spec"].get(k))
+            raise ValueError(f"{results_path}: {key} and {first_key} differ in {', '.join(differing)}; one table "
+                             f"compares runs made with the same settings (pick contenders with --algorithms)")
+    return {name: sorted(mine, key=lambda run: run["spec"]["seed"]) for name, mine in runs.items()}
+
+
 def _write_atomically(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(text)
