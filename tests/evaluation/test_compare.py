@@ -107,6 +107,10 @@ def test_the_report_files_say_what_ran(tmp_path):
     table = files["results.md"].read_text()
     assert "Budget per run: 10 training minutes" in table and "one run at a time" in table
     assert "- slow: optim.lr=1" in table
+    assert "Machine: not recorded." in table  # runs made before machines were recorded
+    runs["fast <b>"][0]["machine"], runs["slow"][0]["machine"] = "cpu A, 2 cores", "cpu B, 2 cores"
+    assert ("Machines (minutes compare only within one): cpu A, 2 cores: fast <b>-seed0; cpu B, 2 cores: "
+            "slow-seed0.") in compare.describe(runs)
     assert "| fast <b>-seed0 | 0: 1.00, 10: 2.00 | 2.000 ± 0.050 | 5.0 | 5.0 |" in table
     rows = files["results.csv"].read_text().splitlines()
     assert rows[0].startswith("contender,seeds,before,after,after_se,gain") and rows[2].startswith("slow,1,1.0,1.2")
@@ -221,6 +225,8 @@ def test_the_command_line_compares_and_writes_the_report(tiny_config_data, tmp_p
     spec = json.loads((out / "results.json").read_text())["maremax-seed3"]["spec"]
     assert spec["overrides"] == ["items_per_step=2"] and spec["steps"] == 1 and spec["seed"] == 3
     assert spec["contender_overrides"] == ["algorithm.name=maremax", "algorithm.advantage=null"]
+    assert json.loads((out / "results.json").read_text())["maremax-seed3"]["machine"].endswith(
+        "cores, 1 torch thread(s)")
     assert all((out / name).is_file() for name in ("results.md", "results.csv", "curve.png", "report.html"))
     (out / "results.md").unlink()
     assert main(["compare", str(config), "--report-only", "--out", str(out)]) == 0  # trains nothing

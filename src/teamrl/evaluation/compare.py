@@ -173,6 +173,25 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def machine() -> str:
+    """The CPU (and GPU, if torch sees one) a run's minutes were measured on, and its torch threads: a
+    budget in minutes compares runs made on the same kind of machine only."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30]
+                    if ":" in line)
+        info = {key.strip(): value.strip() for key, value in info.items()}
+        cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']})"
+    except (OSError, KeyError):
+        pass  # not Linux: the platform's name for it
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores{gpu}, {torch.get_num_threads()} torch thread(s)"
+
+
 def item_standard_error(samples: Sequence[Mapping[str, Any]]) -> float:
     """Standard error of the held-out mean return over items: an item's joint actions are not independent of
     each other, so each item counts once, by its mean return (0 with fewer than two items)."""
@@ -231,7 +250,7 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
         trainer.save_team()
         max_reward = trainer.env.max_reward
     return {"spec": dict(spec), "max_reward": max_reward, "curve": curve, "steps": steps,
-            "peak_rss_bytes": _peak_rss_bytes()}
+            "peak_rss_bytes": _peak_rss_bytes(), "machine": machine()}
 
 
 def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str | Path,
@@ -475,10 +494,17 @@ def describe(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     sharing = f"{spec['parallel']} runs at a time" if spec["parallel"] > 1 else "one run at a time"
     threads = f", {spec['threads']} torch thread(s) each" if spec["threads"] else ""
     config = " ".join([spec["config"] or "(defaults)", *spec["overrides"]])
+    machines: dict[str, list[str]] = {}
+    for name, mine in runs.items():
+        for run in mine:
+            machines.setdefault(run.get("machine", "not recorded"), []).append(run_key(name, run["spec"]["seed"]))
+    on = (f" Machine: {next(iter(machines))}." if len(machines) == 1 else
+          " Machines (minutes compare only within one): " + "; ".join(
+              f"{where}: {', '.join(keys)}" for where, keys in machines.items()) + ".")
     return (f"Config: {config}. Budget per run: "
             f"{budget or 'the config steps'} (evaluation not counted). Held-out joint return (max {max_reward:g}) on "
             f"{spec['eval_items']} items x {spec['eval_samples']} samples (evaluation seed {spec['eval_seed']}); "
-            f"SE = standard error over seeds (over held-out items for one seed). Runs: {sharing}{threads}.")
+            f"SE = standard error over seeds (over held-out items for one seed). Runs: {sharing}{threads}.{on}")
 
 
 def contender_lines(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
