@@ -79,7 +79,9 @@ def test_minutes_to_a_gain_and_the_return_at_a_time():
     assert compare.minutes_to_gain(run, 0.3) == 2.5
     assert compare.minutes_to_gain(run, 1.0) == 5.0   # first reached at 300 s, even though it drops later
     assert compare.minutes_to_gain(run, 1.5) is None
-    assert compare.reward_at(run, 299.0) == 1.4 and compare.reward_at(run, 300.0) == 2.1
+    # between evaluations, the line joining them; after the last, its value
+    assert compare.reward_at(run, 0.0) == 1.0 and compare.reward_at(run, 300.0) == 2.1
+    assert math.isclose(compare.reward_at(run, 225.0), 1.75) and math.isclose(compare.reward_at(run, 75.0), 1.2)
     assert compare.reward_at(run, 1e6) == 1.9
 
 

@@ -359,8 +359,15 @@ def _write_atomically(path: Path, text: str) -> None:
 # -- what the runs say -------------------------------------------------------------------------------
 
 def reward_at(run: Mapping[str, Any], seconds: float) -> float:
-    """The held-out return of the run's last evaluation at or before ``seconds`` of training."""
-    return [point for point in run["curve"] if point["train_seconds"] <= seconds + 1e-9][-1]["reward/mean"]
+    """The run's held-out return at ``seconds`` of training: linear between the evaluations around it, the last
+    evaluation's after it. Seeds evaluate at different minutes (their steps take different times), so their
+    mean at one minute needs each seed's value there, not its last evaluation's, which would make the mean
+    jump at every seed's evaluation."""
+    points = [(point["train_seconds"], point["reward/mean"]) for point in run["curve"]]
+    if seconds >= points[-1][0]:
+        return points[-1][1]
+    (t0, r0), (t1, r1) = next((a, b) for a, b in zip(points, points[1:]) if b[0] > seconds)
+    return r0 + (r1 - r0) * (max(seconds, t0) - t0) / (t1 - t0)
 
 
 def minutes_to_gain(run: Mapping[str, Any], gain: float) -> float | None:
@@ -548,7 +555,8 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> 
         ends = sorted({point["train_seconds"] for run in mine for point in run["curve"]})
         values = [[reward_at(run, t) for run in mine] for t in ends]
         minutes = [t / 60 for t in ends]
-        line, = axes.plot(minutes, [statistics.fmean(v) for v in values], label=f"{name} ({len(mine)} seeds)")
+        seeds = f"{len(mine)} seed{'s' if len(mine) > 1 else ''}"
+        line, = axes.plot(minutes, [statistics.fmean(v) for v in values], label=f"{name} ({seeds})")
         axes.fill_between(minutes, [min(v) for v in values], [max(v) for v in values], alpha=0.2,
                           color=line.get_color())
     axes.set_xlabel("training minutes (evaluation excluded)")
