@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 
 from teamrl.cli import main
@@ -228,7 +229,7 @@ def test_the_command_line_compares_and_writes_the_report(tiny_config_data, tmp_p
     assert spec["overrides"] == ["items_per_step=2"] and spec["steps"] == 1 and spec["seed"] == 3
     assert spec["contender_overrides"] == ["algorithm.name=maremax", "algorithm.advantage=null"]
     assert json.loads((out / "results.json").read_text())["maremax-seed3"]["machine"].endswith(
-        "cores, 1 torch thread(s)")
+        "cores, torch " + torch.__version__ + " on 1 thread(s)")
     assert all((out / name).is_file() for name in ("results.md", "results.csv", "curve.png", "report.html"))
     (out / "results.md").unlink()
     assert main(["compare", str(config), "--report-only", "--out", str(out)]) == 0  # trains nothing

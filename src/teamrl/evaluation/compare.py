@@ -174,7 +174,7 @@ def _peak_rss_bytes() -> int:
 
 
 def machine() -> str:
-    """The CPU (and GPU, if torch sees one) a run's minutes were measured on, and its torch threads: a
+    """The CPU (and GPU, if torch sees one) a run's minutes were measured on, its torch build and threads: a
     budget in minutes compares runs made on the same kind of machine only."""
     import platform
 
@@ -189,7 +189,7 @@ def machine() -> str:
     except (OSError, KeyError):
         pass  # not Linux: the platform's name for it
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{gpu}, {torch.get_num_threads()} torch thread(s)"
+    return f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__} on {torch.get_num_threads()} thread(s)"
 
 
 def item_standard_error(samples: Sequence[Mapping[str, Any]]) -> float:
