@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from teamrl.checkpoint import load_checkpoint
+from teamrl.evaluation.compare import cpu_info
 from teamrl.train import Trainer
 
 STEPS = 3
@@ -227,12 +227,7 @@ RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
 def _cpu_model() -> str | None:
     """'VENDOR FAMILY/MODEL' from /proc/cpuinfo: CPUs of one capability (AVX512) still differ in their kernels'
     last bits (oneDNN and MKL dispatch by model); None where /proc/cpuinfo does not say."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)  # the last processor's, like the others
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    fields = cpu_info()
     parts = fields.get("vendor_id"), fields.get("cpu family"), fields.get("model")
     return f"{parts[0]} {parts[1]}/{parts[2]}" if all(parts) else None
 

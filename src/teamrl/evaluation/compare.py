@@ -173,6 +173,16 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def cpu_info() -> dict[str, str]:
+    """/proc/cpuinfo's fields (the last processor's, as the others'), e.g. ``model name``, ``cpu family``,
+    ``model``, ``vendor_id``; empty where there is no /proc/cpuinfo (not Linux)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    return {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
+
+
 def machine() -> str:
     """The CPU (and GPU, if torch sees one) a run's minutes were measured on, its torch build and threads: a
     budget in minutes compares runs made on the same kind of machine only."""
@@ -180,14 +190,10 @@ def machine() -> str:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30]
-                    if ":" in line)
-        info = {key.strip(): value.strip() for key, value in info.items()}
-        cpu = f"{info['model name']} (family {info['cpu family']} model {info['model']})"
-    except (OSError, KeyError):
-        pass  # not Linux: the platform's name for it
+    info = cpu_info()
+    cpu = (f"{info['model name']} (family {info['cpu family']} model {info['model']})"
+           if all(key in info for key in ("model name", "cpu family", "model"))
+           else platform.processor() or platform.machine())
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__} on {torch.get_num_threads()} thread(s)"
 
@@ -339,14 +345,14 @@ def finished_runs(out: str | Path, names: Sequence[str] = ()) -> dict[str, list[
                              f"{', '.join(runs) or 'none'})")
         runs = {name: runs[name] for name in names}
     shared = lambda spec: {key: value for key, value in spec.items() if key not in RUN_OWN_SETTINGS}  # noqa: E731
-    chosen = [(key, run) for key, run in results.items() if run["spec"]["contender"] in runs]
-    first_key, first = chosen[0]
-    for key, run in chosen:
-        if shared(run["spec"]) != shared(first["spec"]):
-            differing = sorted(k for k in shared(run["spec"]).keys() | shared(first["spec"]).keys()
-                               if run["spec"].get(k) != first["spec"].get(k))
-            raise ValueError(f"{results_path}: {key} and {first_key} differ in {', '.join(differing)}; one table "
-                             f"compares runs made with the same settings (pick contenders with --algorithms)")
+    chosen = [run["spec"] for mine in runs.values() for run in mine]
+    for spec in chosen:
+        differing = sorted(key for key in shared(spec).keys() | shared(chosen[0]).keys()
+                           if spec.get(key) != chosen[0].get(key))
+        if differing:
+            raise ValueError(f"{results_path}: {run_key(spec['contender'], spec['seed'])} and "
+                             f"{run_key(chosen[0]['contender'], chosen[0]['seed'])} differ in {', '.join(differing)}; "
+                             f"one table compares runs made with the same settings (pick contenders with --algorithms)")
     return {name: sorted(mine, key=lambda run: run["spec"]["seed"]) for name, mine in runs.items()}
 
 
