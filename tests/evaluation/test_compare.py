@@ -103,6 +103,25 @@ def test_a_contender_is_summarised_over_its_seeds():
     assert alone[3:5] == ["2.000 ± 0.050", "+1.000"]
 
 
+def test_each_contender_is_compared_with_the_first_by_the_difference_of_gains_and_its_standard_error(tmp_path):
+    def seeds(name, finals):
+        return [_run(seed, [(0, 0.0, 1.0), (10, 300.0, final)], contender=name) for seed, final in enumerate(finals)]
+
+    # gains: reference 0.8, 1.0, 1.2 (mean 1.0, sd 0.2, SE 0.2/sqrt 3); better 1.4, 1.6, 1.8 (mean 1.6, same SE)
+    runs = {"reference": seeds("reference", [1.8, 2.0, 2.2]), "better": seeds("better", [2.4, 2.6, 2.8]),
+            "alone": seeds("alone", [3.0])}
+    summaries = [compare.summarise(name, mine) for name, mine in runs.items()]
+    value, se = compare.gain_difference(summaries[1], summaries[0])
+    assert value == pytest.approx(0.6) and se == pytest.approx(math.sqrt(2 * 0.2**2 / 3))  # 0.163
+    assert compare.gain_difference(summaries[2], summaries[0]) is None  # one seed: no spread over seeds
+    assert compare.against_reference_rows(summaries) == [["better", "+0.600", "0.163", "+3.7"]]
+    table = compare.write_report(runs, tmp_path)["results.md"].read_text()
+    assert "Each contender's gain against reference's" in table and "| better | +0.600 | 0.163 | +3.7 |" in table
+    assert "<h2>Against reference</h2>" in (tmp_path / "report.html").read_text()
+    # nothing to compare: no table
+    assert "gain against" not in compare.render_markdown({"reference": runs["reference"], "alone": runs["alone"]})
+
+
 def test_the_report_files_say_what_ran(tmp_path):
     runs = {"fast <b>": [_run(0, [(0, 0.0, 1.0), (10, 300.0, 2.0)], contender="fast <b>")],
             "slow": [_run(0, [(0, 0.0, 1.0), (4, 300.0, 1.2)], contender="slow")]}

@@ -13,8 +13,8 @@ re-run skips the runs already there, so a killed comparison continues where it s
 
 * ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
   and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
-  step and the peak memory; ``results.md`` also has the reward's parts (levels) before and after and each
-  run's curve;
+  step and the peak memory; ``results.md`` also has each contender's gain against the first one's (with
+  the difference's standard error), the reward's parts (levels) before and after and each run's curve;
 * ``results.json``: every run's settings, evaluations (with the standard error over items) and steps;
 * ``curve.png``: held-out return against training minutes, each contender's seed mean and min..max band;
 * ``report.html``: the tables and the plot in one self-contained file.
@@ -448,6 +448,36 @@ def summary_rows(summaries: Sequence[Summary]) -> list[list[str]]:
              f"{s.seconds_per_step:.1f}", f"{s.peak_memory_gib:.2f}"] for s in summaries]
 
 
+def gain_difference(summary: Summary, reference: Summary) -> tuple[float, float] | None:
+    """``summary``'s gain minus ``reference``'s and the standard error of that difference, sqrt(SE_a^2 + SE_b^2)
+    (Welch's, the seeds of the two being independent); None unless both have at least two seeds."""
+    if summary.seeds < 2 or reference.seeds < 2:
+        return None
+    return summary.gain - reference.gain, (summary.gain_se**2 + reference.gain_se**2) ** 0.5
+
+
+AGAINST_HEADERS = ("contender", "gain - reference's", "± SE", "in SEs")
+
+
+def against_reference_caption(reference: str) -> str:
+    return (f"Each contender's gain against {reference}'s (difference of the seed means; SE of the difference = "
+            f"sqrt(SE_a^2 + SE_b^2); contenders with one seed are left out). With 3 seeds each and alike spreads, "
+            f"2.8 SEs is the two-sided 5% level (Welch's t with 4 degrees of freedom; unlike spreads leave fewer "
+            f"and raise it); a difference within 2 SEs is not told apart from seed noise.")
+
+
+def against_reference_rows(summaries: Sequence[Summary]) -> list[list[str]]:
+    """The first contender is the reference; one row per other contender whose difference has an SE."""
+    reference, *others = summaries
+    rows = []
+    for summary in others:
+        difference = gain_difference(summary, reference)
+        if difference is not None:
+            value, se = difference
+            rows.append([summary.contender, f"{value:+.3f}", f"{se:.3f}", f"{value / se:+.1f}" if se else "-"])
+    return rows
+
+
 PARTS_CAPTION = "The reward's parts, held-out mean over seeds, at step 0 -> at the end:"
 
 CURVE_HEADERS = ("run", "held-out return at each evaluation (step: return)", "final ± SE (items)",
@@ -532,8 +562,11 @@ def render_markdown(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     contenders = "".join(f"- {line}\n" for line in contender_lines(runs))
     parts = reward_parts(runs)
     levels = ([PARTS_CAPTION, "", _markdown_table(("contender", *parts), parts_rows(runs)), ""] if parts else [])
+    against = against_reference_rows(summaries)
+    differences = ([against_reference_caption(summaries[0].contender), "", _markdown_table(AGAINST_HEADERS, against),
+                    ""] if against else [])
     return "\n".join([describe(runs), "", contenders, _markdown_table(SUMMARY_HEADERS, summary_rows(summaries)), "",
-                      *levels, _markdown_table(CURVE_HEADERS, curve_rows(runs)), ""])
+                      *differences, *levels, _markdown_table(CURVE_HEADERS, curve_rows(runs)), ""])
 
 
 def write_csv(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path) -> None:
@@ -577,6 +610,7 @@ def render_html(runs: Mapping[str, Sequence[Mapping[str, Any]]], plot: Path) -> 
     from teamrl.evaluation.report import _STYLE, _html_table
 
     summaries = [summarise(name, mine) for name, mine in runs.items()]
+    against = against_reference_rows(summaries)
     parts = reward_parts(runs)
     image = base64.b64encode(plot.read_bytes()).decode("ascii")
     escaped = lambda rows: [[html.escape(cell) for cell in row] for row in rows]  # noqa: E731
@@ -584,6 +618,9 @@ def render_html(runs: Mapping[str, Sequence[Mapping[str, Any]]], plot: Path) -> 
         "<h1>teamrl compare</h1>", f"<p>{html.escape(describe(runs))}</p>",
         "<ul>" + "".join(f"<li><code>{html.escape(line)}</code></li>" for line in contender_lines(runs)) + "</ul>",
         "<h2>Per contender</h2>", _html_table(SUMMARY_HEADERS, escaped(summary_rows(summaries))),
+        *([f"<h2>Against {html.escape(summaries[0].contender)}</h2>",
+           f"<p>{html.escape(against_reference_caption(summaries[0].contender))}</p>",
+           _html_table(AGAINST_HEADERS, escaped(against))] if against else []),
         f'<figure><img src="data:image/png;base64,{image}" alt="held-out return against training minutes">'
         "<figcaption>Held-out joint return against training minutes (seed mean, band min..max)</figcaption></figure>",
         *([f"<h2>Reward parts</h2><p>{html.escape(PARTS_CAPTION)}</p>",
