@@ -28,6 +28,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium
 fi
 
-# One test worker per core (pytest-xdist); the tests that share one local Ray cluster stay on one worker
-# (their xdist_group). TEAMRL_TEST_WORKERS=0 runs every test in this process.
-"$PY" -m pytest -n "${TEAMRL_TEST_WORKERS:-auto}" --dist loadgroup "$@"
+"$PY" -m pytest "$@"

@@ -33,17 +33,6 @@ def tiny_config_dict(tmp_path, **overrides) -> dict:
     return data
 
 
-# Session fixtures that take tens of seconds to build, and each test worker (scripts/test.sh runs one per
-# core) would build its own: their tests stay together on one worker (pytest-xdist's --dist loadgroup).
-COSTLY_SESSION_FIXTURES = {"bundled_cache": "bundled-model-cache"}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        for fixture in COSTLY_SESSION_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(COSTLY_SESSION_FIXTURES[fixture]))
-
-
 @pytest.fixture
 def tiny_config_data(tmp_path):
     """Factory: ``tiny_config_data(steps=...)`` -> plain config data (for YAML files)."""

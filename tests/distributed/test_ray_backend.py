@@ -24,9 +24,6 @@ from teamrl.config import config_from_dict
 from teamrl.team import Team
 from teamrl.train import Trainer
 
-# One local Ray cluster serves the whole module: with the suite on several workers, its tests share one.
-pytestmark = pytest.mark.xdist_group("ray")
-
 REL, ABS = 1e-4, 1e-6
 STEPS = 3
 # timings and this process's memory (the agents live elsewhere under Ray): the only metrics allowed to differ

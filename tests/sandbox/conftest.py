@@ -37,39 +37,7 @@ def pool(bubblewrap, fast_limits):
         yield sandbox_pool
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])  # after "pid (comm) state"; comm may hold ")"
-
-
-def _other_test_workers() -> set[int]:
-    """The other pytest-xdist workers (this worker's siblings), whose own sandboxes may be running now."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return set()
-    siblings = set()
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(entry) != os.getpid() and _parent(int(entry)) == os.getppid():
-                siblings.add(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return siblings
-
-
-def _descends_from(pid: int, ancestors: set[int]) -> bool:
-    try:
-        while pid > 1:
-            pid = _parent(pid)
-            if pid in ancestors:
-                return True
-    except (OSError, IndexError, ValueError):  # exited meanwhile
-        pass
-    return False
-
-
 def _sandbox_processes() -> list[int]:
-    """Processes running as a sandbox uid, but for those of another test worker's sandboxes still at work. An
-    escaped process (re-parented to init) is found whichever worker let it out."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -81,8 +49,7 @@ def _sandbox_processes() -> list[int]:
             continue
         if int(uid_line.split()[1]) in SANDBOX_UIDS:
             found.append(int(entry))
-    others = _other_test_workers() if found else set()
-    return [pid for pid in found if not _descends_from(pid, others)]
+    return found
 
 
 @pytest.fixture
