@@ -103,23 +103,27 @@ def test_a_contender_is_summarised_over_its_seeds():
     assert alone[3:5] == ["2.000 ± 0.050", "+1.000"]
 
 
-def test_each_contender_is_compared_with_the_first_by_the_difference_of_gains_and_its_standard_error(tmp_path):
-    def seeds(name, finals):
-        return [_run(seed, [(0, 0.0, 1.0), (10, 300.0, final)], contender=name) for seed, final in enumerate(finals)]
+def test_each_contender_is_compared_with_the_first_by_the_difference_of_returns_and_its_standard_error(tmp_path):
+    def seeds(name, start, finals):
+        return [_run(seed, [(0, 0.0, start), (10, 300.0, final)], contender=name) for seed, final in enumerate(finals)]
 
-    # gains: reference 0.8, 1.0, 1.2 (mean 1.0, sd 0.2, SE 0.2/sqrt 3); better 1.4, 1.6, 1.8 (mean 1.6, same SE)
-    runs = {"reference": seeds("reference", [1.8, 2.0, 2.2]), "better": seeds("better", [2.4, 2.6, 2.8]),
-            "alone": seeds("alone", [3.0])}
+    # after: reference 1.8, 2.0, 2.2 (mean 2.0, sd 0.2, SE 0.2/sqrt 3); better 2.4, 2.6, 2.8 (mean 2.6, same SE)
+    runs = {"reference": seeds("reference", 1.0, [1.8, 2.0, 2.2]), "better": seeds("better", 1.0, [2.4, 2.6, 2.8]),
+            # starts far lower and gains more, but ends below: judged by where it ends
+            "low start": seeds("low start", 0.2, [1.4, 1.6, 1.8]), "alone": seeds("alone", 1.0, [3.0])}
     summaries = [compare.summarise(name, mine) for name, mine in runs.items()]
-    value, se = compare.gain_difference(summaries[1], summaries[0])
+    value, se = compare.return_difference(summaries[1], summaries[0])
     assert value == pytest.approx(0.6) and se == pytest.approx(math.sqrt(2 * 0.2**2 / 3))  # 0.163
-    assert compare.gain_difference(summaries[2], summaries[0]) is None  # one seed: no spread over seeds
-    assert compare.against_reference_rows(summaries) == [["better", "+0.600", "0.163", "+3.7"]]
+    assert summaries[2].gain > summaries[0].gain
+    assert compare.return_difference(summaries[2], summaries[0])[0] == pytest.approx(-0.4)
+    assert compare.return_difference(summaries[3], summaries[0]) is None  # one seed: no spread over seeds
+    assert compare.against_reference_rows(summaries) == [["better", "+0.600", "0.163", "+3.7"],
+                                                         ["low start", "-0.400", "0.163", "-2.4"]]
     table = compare.write_report(runs, tmp_path)["results.md"].read_text()
-    assert "Each contender's gain against reference's" in table and "| better | +0.600 | 0.163 | +3.7 |" in table
+    assert "return after training against reference's" in table and "| better | +0.600 | 0.163 | +3.7 |" in table
     assert "<h2>Against reference</h2>" in (tmp_path / "report.html").read_text()
     # nothing to compare: no table
-    assert "gain against" not in compare.render_markdown({"reference": runs["reference"], "alone": runs["alone"]})
+    assert "against reference" not in compare.render_markdown({"reference": runs["reference"], "alone": runs["alone"]})
 
 
 def test_the_report_files_say_what_ran(tmp_path):

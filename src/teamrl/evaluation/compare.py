@@ -13,8 +13,8 @@ re-run skips the runs already there, so a killed comparison continues where it s
 
 * ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
   and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
-  step and the peak memory; ``results.md`` also has each contender's gain against the first one's (with
-  the difference's standard error), the reward's parts (levels) before and after and each run's curve;
+  step and the peak memory; ``results.md`` also has each contender's return after training against the
+  first one's (with the difference's standard error), the reward's parts (levels) before and after and each run's curve;
 * ``results.json``: every run's settings, evaluations (with the standard error over items) and steps;
 * ``curve.png``: held-out return against training minutes, each contender's seed mean and min..max band;
 * ``report.html``: the tables and the plot in one self-contained file.
@@ -448,22 +448,26 @@ def summary_rows(summaries: Sequence[Summary]) -> list[list[str]]:
              f"{s.seconds_per_step:.1f}", f"{s.peak_memory_gib:.2f}"] for s in summaries]
 
 
-def gain_difference(summary: Summary, reference: Summary) -> tuple[float, float] | None:
-    """``summary``'s gain minus ``reference``'s and the standard error of that difference, sqrt(SE_a^2 + SE_b^2)
-    (Welch's, the seeds of the two being independent); None unless both have at least two seeds."""
+def return_difference(summary: Summary, reference: Summary) -> tuple[float, float] | None:
+    """``summary``'s held-out return after training minus ``reference``'s, and the standard error of that
+    difference, sqrt(SE_a^2 + SE_b^2) (Welch's: the two contenders' seeds are independent); None unless both
+    have at least two seeds. The returns after the same budget, not the gains: a contender that starts
+    elsewhere (centralised training's single policy) is judged by where it ends; for contenders that start
+    alike, it is the difference of their gains."""
     if summary.seeds < 2 or reference.seeds < 2:
         return None
-    return summary.gain - reference.gain, (summary.gain_se**2 + reference.gain_se**2) ** 0.5
+    return summary.after - reference.after, (summary.after_se**2 + reference.after_se**2) ** 0.5
 
 
-AGAINST_HEADERS = ("contender", "gain - reference's", "± SE", "in SEs")
+AGAINST_HEADERS = ("contender", "after - reference's", "± SE", "in SEs")
 
 
 def against_reference_caption(reference: str) -> str:
-    return (f"Each contender's gain against {reference}'s (difference of the seed means; SE of the difference = "
-            f"sqrt(SE_a^2 + SE_b^2); contenders with one seed are left out). With 3 seeds each and alike spreads, "
-            f"2.8 SEs is the two-sided 5% level (Welch's t with 4 degrees of freedom; unlike spreads leave fewer "
-            f"and raise it); a difference within 2 SEs is not told apart from seed noise.")
+    return (f"Each contender's held-out return after training against {reference}'s (difference of the seed "
+            f"means; SE of the difference = sqrt(SE_a^2 + SE_b^2); contenders with one seed are left out). With "
+            f"3 seeds each and alike spreads, 2.8 SEs is the two-sided 5% level (Welch's t with 4 degrees of "
+            f"freedom; unlike spreads leave fewer and raise it); a difference within 2 SEs is not told apart from "
+            f"seed noise.")
 
 
 def against_reference_rows(summaries: Sequence[Summary]) -> list[list[str]]:
@@ -471,7 +475,7 @@ def against_reference_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     reference, *others = summaries
     rows = []
     for summary in others:
-        difference = gain_difference(summary, reference)
+        difference = return_difference(summary, reference)
         if difference is not None:
             value, se = difference
             rows.append([summary.contender, f"{value:+.3f}", f"{se:.3f}", f"{value / se:+.1f}" if se else "-"])
