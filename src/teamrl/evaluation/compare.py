@@ -14,7 +14,8 @@ re-run skips the runs already there, so a killed comparison continues where it s
 * ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
   and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
   step and the peak memory; ``results.md`` also has each contender's return after training against the
-  first one's (with the difference's standard error), the reward's parts (levels) before and after and each run's curve;
+  first one's (with the difference's standard error), the reward's parts (levels) before and after and
+  each run's curve;
 * ``results.json``: every run's settings, evaluations (with the standard error over items) and steps;
 * ``curve.png``: held-out return against training minutes, each contender's seed mean and min..max band;
 * ``report.html``: the tables and the plot in one self-contained file.
