@@ -70,7 +70,8 @@ def specs(args: argparse.Namespace, seed: int) -> dict[str, RunSpec]:
 
 
 def as_compare_run(entrant: str, spec: RunSpec, result: dict[str, Any]) -> dict[str, Any]:
-    """A worker's learning curve in ``teamrl compare``'s run format, so its tables and plot apply."""
+    """A worker's learning curve in ``teamrl compare``'s run format, so its tables and plot apply (the worker
+    ran on this machine, so it is this machine's name)."""
     overrides = (["(preset as shipped)"] if entrant == "teamrl" else
                  [f"{key}={value}" for key, value in COMLRL_DEFAULTS.items()])
     return {"spec": {"seed": spec.seed, "contender": entrant, "contender_overrides": overrides,
@@ -79,7 +80,7 @@ def as_compare_run(entrant: str, spec: RunSpec, result: dict[str, Any]) -> dict[
                      "eval_samples": spec.eval_samples, "eval_seed": spec.eval_seed, "parallel": 1,
                      "threads": spec.threads or 0},
             "max_reward": 3.0, "curve": result["curve"], "steps": [{"time/step": s} for s in result["step_times"]],
-            "peak_rss_bytes": int(result["peak_rss_gb"] * 1e9)}
+            "peak_rss_bytes": int(result["peak_rss_gb"] * 1e9), "machine": compare.machine()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from teamrl.config import TrainConfig, config_from_dict, load_config
 from teamrl.envs.base import Item, Step
 from teamrl.envs.writing import TldrEnv
+from teamrl.evaluation.compare import item_standard_error
 from teamrl.models.bundled import ensure_converted, get_bundled_model
 from teamrl.team import Agent
 from teamrl.train import Trainer, batch_indices
@@ -101,13 +102,14 @@ class BudgetSpent(Exception):
 class TrainingClock:
     """A learning curve's clock: training wall-clock with the evaluations left out.
 
-    ``evaluate()`` (the held-out joint reward) runs at the start, whenever ``every_seconds`` of training
-    have passed since the last evaluation, and when ``budget_seconds`` are spent; :meth:`step_done` is
-    called at the end of each update and says whether the budget is spent (the update under way when it
-    runs out finishes, as in ``teamrl compare``).
+    ``evaluate()`` (the held-out numbers: ``reward/mean`` and its ``reward/se``) runs at the start, whenever
+    ``every_seconds`` of training have passed since the last evaluation, and when ``budget_seconds`` are
+    spent; :meth:`step_done` is called at the end of each update and says whether the budget is spent (the
+    update under way when it runs out finishes, as in ``teamrl compare``).
     """
 
-    def __init__(self, budget_seconds: float, every_seconds: float, evaluate: Callable[[], float]) -> None:
+    def __init__(self, budget_seconds: float, every_seconds: float,
+                 evaluate: Callable[[], dict[str, float]]) -> None:
         self.budget_seconds, self.every_seconds, self.evaluate = budget_seconds, every_seconds, evaluate
         self.train_seconds, self.steps = 0.0, 0
         self.step_seconds: list[float] = []
@@ -116,11 +118,11 @@ class TrainingClock:
 
     def _record(self) -> None:
         began = time.perf_counter()
-        reward = self.evaluate()
-        self.curve.append({"step": self.steps, "train_seconds": self.train_seconds, "reward/mean": reward,
+        point = self.evaluate()
+        self.curve.append({"step": self.steps, "train_seconds": self.train_seconds, **point,
                            "eval_seconds": time.perf_counter() - began})
-        print(f"  step {self.steps:3d}, {self.train_seconds / 60:5.2f} min of training: held-out {reward:.3f}",
-              flush=True)
+        print(f"  step {self.steps:3d}, {self.train_seconds / 60:5.2f} min of training: held-out "
+              f"{point['reward/mean']:.3f} ± {point.get('reward/se', 0.0):.3f}", flush=True)
         self._resumed = time.perf_counter()
 
     def step_done(self) -> bool:
@@ -174,10 +176,23 @@ def training_memory(result: dict[str, Any]) -> Iterator[None]:
     result["train_peak_rss_gb"] = _rss_status_gb("VmHWM") if reset else None
 
 
+class HeldOut(NamedTuple):
+    """A held-out evaluation: the mean joint reward of each turn, and each item's episodes' turn-1 rewards."""
+
+    per_turn: list[float]
+    first_turn_by_item: list[list[float]]
+
+    def curve_point(self) -> dict[str, float]:
+        """A learning curve's numbers (single-turn runs): the mean, and its standard error over items."""
+        samples = [{"item": i, "reward": reward} for i, rewards in enumerate(self.first_turn_by_item)
+                   for reward in rewards]
+        return {"reward/mean": self.per_turn[0], "reward/se": item_standard_error(samples)}
+
+
 @torch.no_grad()
 def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTrainedTokenizerBase, env: TldrEnv,
-             spec: RunSpec) -> list[float]:
-    """Mean joint reward per turn on the first ``eval_items`` held-out items; the same code for both libraries.
+             spec: RunSpec) -> HeldOut:
+    """Joint rewards on the first ``eval_items`` held-out items; the same code for both libraries.
 
     ``policies[i]()`` returns agent i's model ready to sample (for LoRA agents on one base: the base
     routed through agent i's adapter).
@@ -189,7 +204,7 @@ def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTr
     items = list(env.items("eval"))[: spec.eval_items]
     episodes: list[tuple[Item, tuple[Step, ...]]] = [(item, ()) for item in items for _ in range(spec.eval_samples)]
     tokenizer.padding_side = "left"
-    per_turn = []
+    per_turn, first_turn = [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.eval_seed)
         for _ in range(spec.turns):
@@ -205,7 +220,9 @@ def evaluate(policies: Sequence[Callable[[], torch.nn.Module]], tokenizer: PreTr
                 rewards.append(reward.total)
                 episodes[e] = (item, (*history, Step(tuple(observations[e]), joint, reward)))
             per_turn.append(float(np.mean(rewards)))
-    return per_turn
+            first_turn = first_turn or rewards
+    by_item = [first_turn[i * spec.eval_samples:(i + 1) * spec.eval_samples] for i in range(len(items))]
+    return HeldOut(per_turn, by_item)
 
 
 def _sample(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[str], spec: RunSpec) -> list[str]:
@@ -248,7 +265,7 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     policies = [_policy(agent) for agent in trainer.team]
     if spec.minutes:
         clock = TrainingClock(60 * spec.minutes, 60 * spec.eval_every_minutes,
-                              lambda: evaluate(policies, tokenizer, env, spec)[0])
+                              lambda: evaluate(policies, tokenizer, env, spec).curve_point())
         for _ in range(spec.steps):  # the preset's schedule ends at its last step, whatever the minutes left
             trainer.train_step()
             if clock.step_done():
@@ -256,7 +273,7 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
         else:
             clock.finish()
         return {"setup_seconds": setup_seconds, **clock.result()}
-    before = evaluate(policies, tokenizer, env, spec) if spec.eval_before else None
+    before = evaluate(policies, tokenizer, env, spec).per_turn if spec.eval_before else None
     history, memory = [], {}
     with training_memory(memory):
         train_start = time.perf_counter()
@@ -276,7 +293,7 @@ def run_teamrl(spec: RunSpec, model_dir: Path, run_dir: Path) -> dict[str, Any]:
         "train_reward_turn1": [m["reward/turn1/mean"] for m in history],
         **memory,
         "reward_before": before,
-        "reward_after": evaluate(policies, tokenizer, env, spec),
+        "reward_after": evaluate(policies, tokenizer, env, spec).per_turn,
     }
 
 
@@ -376,13 +393,13 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
     policies = [lambda model=model: model for model in trainer.agents]
     if spec.minutes:
         trainer.clock = TrainingClock(60 * spec.minutes, 60 * spec.eval_every_minutes,
-                                      lambda: evaluate(policies, eval_tokenizer, env, spec)[0])
+                                      lambda: evaluate(policies, eval_tokenizer, env, spec).curve_point())
         with contextlib.suppress(BudgetSpent):
             trainer.train()
         if trainer.clock.curve[-1]["train_seconds"] < 60 * spec.minutes:
             raise RuntimeError(f"CoMLRL ran out of items ({spec.steps} steps) before {spec.minutes} minutes")
         return {"setup_seconds": setup_seconds, **trainer.clock.result()}
-    before = evaluate(policies, eval_tokenizer, env, spec) if spec.eval_before else None
+    before = evaluate(policies, eval_tokenizer, env, spec).per_turn if spec.eval_before else None
     memory: dict[str, Any] = {}
     with training_memory(memory):
         train_start = time.perf_counter()
@@ -401,7 +418,7 @@ def run_comlrl(spec: RunSpec, model_dir: Path) -> dict[str, Any]:
         "train_reward_turn1": None,
         **memory,
         "reward_before": before,
-        "reward_after": evaluate(policies, eval_tokenizer, env, spec),
+        "reward_after": evaluate(policies, eval_tokenizer, env, spec).per_turn,
     }
 
 

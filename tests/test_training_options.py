@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,36 @@ def test_warmup_then_decay_schedules():
             optimizer.step()
             scheduler.step()
         assert seen == pytest.approx(expected), kind
+
+
+def test_a_decaying_schedule_ends_at_its_final_fraction_of_the_rate():
+    # 1 - s/72 over 24 steps: a 72-step linear decay to 0, cut where the run ends, is the same schedule
+    param = torch.nn.Parameter(torch.zeros(1))
+    for kind, final in [("linear", 2 / 3), ("cosine", 0.25)]:
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        scheduler = make_scheduler(optimizer, kind, warmup=0, total=24, final=final)
+        seen = []
+        for _ in range(25):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        assert seen[0] == 1.0 and seen[24] == pytest.approx(final), kind
+        assert all(a > b for a, b in zip(seen, seen[1:])), kind
+        if kind == "linear":
+            assert seen == pytest.approx([1 - s / 72 for s in range(25)])
+        else:
+            assert seen[12] == pytest.approx(final + (1 - final) / 2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"final_lr_fraction": 1.5}, "optim.final_lr_fraction: must be in [0, 1]"),
+    ({"final_lr_fraction": 0.5, "lr_scheduler": "constant"}, "optim.final_lr_fraction: only a decaying schedule"),
+])
+def test_a_final_fraction_outside_0_1_or_on_a_constant_schedule_is_refused(fields, message):
+    from teamrl.config import ConfigError, OptimConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        OptimConfig(**fields).validate("optim")
 
 
 def test_batches_cover_every_item_once_per_epoch_and_depend_only_on_the_step():

@@ -108,17 +108,18 @@ class LocalBackend:
         return self.team.save_pretrained(directory, metadata=metadata)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int):
-    """Linear warm-up over ``warmup`` optimiser steps, then constant, linear or cosine decay to 0 at ``total``."""
+def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, total: int, final: float = 0.0):
+    """Linear warm-up over ``warmup`` optimiser steps, then constant, or linear or cosine decay to ``final`` (a
+    fraction of the learning rate) at ``total``."""
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         if kind == "linear":
-            return 1.0 - progress
+            return final + (1.0 - final) * (1.0 - progress)
         if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+            return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -130,7 +131,8 @@ def make_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig, lr
     optimizer = torch.optim.AdamW(parameters, lr=lr or optim.lr, betas=tuple(optim.betas),
                                   weight_decay=optim.weight_decay)
     total = config.steps * config.algorithm.num_iterations
-    return optimizer, make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total)
+    return optimizer, make_scheduler(optimizer, optim.lr_scheduler, optim.warmup_steps, total,
+                                     optim.final_lr_fraction)
 
 
 def train_agents(agents: Sequence[Agent], generations: Sequence[list[Generation]],

@@ -318,7 +318,11 @@ class OptimConfig:
     betas: list[float] = _doc("AdamW betas.", factory=lambda: [0.9, 0.999])
     max_grad_norm: float | None = _doc("Clip each agent's gradient to this global norm. Empty = no clipping.", 1.0)
     lr_scheduler: Literal["constant", "linear", "cosine"] = _doc(
-        "Schedule after warm-up: constant, linear decay to 0, or cosine decay to 0 at the last step.", "constant"
+        "Schedule after warm-up: constant, or linear or cosine decay to `final_lr_fraction` x `lr` at the last step.",
+        "constant",
+    )
+    final_lr_fraction: float = _doc(
+        "Where a linear or cosine schedule ends, as a fraction of `lr` (0 = decay to 0; constant ignores it).", 0.0
     )
     warmup_steps: int = _doc("Linear warm-up from 0 to `lr` over this many optimiser steps.", 0)
     micro_batch_size: int = _doc(
@@ -337,6 +341,11 @@ class OptimConfig:
         _check(self.max_grad_norm is None or self.max_grad_norm > 0, f"{path}.max_grad_norm",
                "must be > 0 (or empty for no clipping)", self.max_grad_norm)
         _check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(0 <= self.final_lr_fraction <= 1, f"{path}.final_lr_fraction",
+               "must be in [0, 1] (a fraction of lr)", self.final_lr_fraction)
+        _check(self.final_lr_fraction == 0 or self.lr_scheduler != "constant", f"{path}.final_lr_fraction",
+               "only a decaying schedule has an end: set lr_scheduler to linear or cosine, or leave it 0",
+               self.final_lr_fraction)
         _check(self.micro_batch_size >= 0, f"{path}.micro_batch_size", "must be >= 0", self.micro_batch_size)
         _check(self.parallel_micro_batches >= 1, f"{path}.parallel_micro_batches", "must be >= 1 (1 = one at a time)",
                self.parallel_micro_batches)

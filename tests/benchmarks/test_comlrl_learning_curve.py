@@ -64,7 +64,7 @@ def test_the_clock_counts_training_only_and_evaluates_on_its_schedule(worker, mo
 
     def evaluate():
         now[0] += 100.0  # an evaluation takes 100 s, which must not count as training
-        return next(rewards)
+        return {"reward/mean": next(rewards), "reward/se": 0.1}
 
     clock = worker.TrainingClock(budget_seconds=250.0, every_seconds=120.0, evaluate=evaluate)
     spent = []
@@ -87,7 +87,7 @@ def test_the_teamrl_steps_scale_with_the_budget(bench):
 
 def test_a_clock_whose_training_ends_early_evaluates_the_last_step_once(worker, monkeypatch):
     monkeypatch.setattr(worker.time, "perf_counter", lambda: 0.0)
-    clock = worker.TrainingClock(budget_seconds=1e9, every_seconds=0.0, evaluate=lambda: 1.0)
+    clock = worker.TrainingClock(budget_seconds=1e9, every_seconds=0.0, evaluate=lambda: {"reward/mean": 1.0})
     clock.step_done()
     clock.finish()
     clock.finish()
@@ -103,4 +103,11 @@ def test_a_worker_curve_reads_as_a_compare_run(bench):
     summary = compare.summarise("comlrl", [run])
     assert summary.gain == pytest.approx(0.7) and summary.seconds_per_step == 100.0
     assert summary.minutes_to[0.5] == [400.0 / 60] and summary.peak_memory_gib == pytest.approx(3.2e9 / 2**30)
-    assert "lr=5e-06" in compare.render_markdown({"comlrl": [run]})
+    report = compare.render_markdown({"comlrl": [run]})
+    assert "lr=5e-06" in report and f"Machine: {compare.machine()}." in report
+
+
+def test_a_held_out_evaluation_reports_its_standard_error_over_items(worker):
+    # two items, two episodes each: item means 1.0 and 2.0, so the SE over items is stdev / sqrt(2) = 0.5
+    held_out = worker.HeldOut(per_turn=[1.5], first_turn_by_item=[[0.5, 1.5], [2.0, 2.0]])
+    assert held_out.curve_point() == {"reward/mean": 1.5, "reward/se": pytest.approx(0.5)}
