@@ -115,12 +115,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, warmup: int, tot
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return final + (1.0 - final) * (1.0 - progress)
-        if kind == "cosine":
-            return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return final + (1.0 - final) * decay
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

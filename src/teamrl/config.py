@@ -322,7 +322,7 @@ class OptimConfig:
         "constant",
     )
     final_lr_fraction: float = _doc(
-        "Where a linear or cosine schedule ends, as a fraction of `lr` (0 = decay to 0; constant ignores it).", 0.0
+        "Where a linear or cosine schedule ends, as a fraction of `lr` (0 = decay to 0; 0 with constant).", 0.0
     )
     warmup_steps: int = _doc("Linear warm-up from 0 to `lr` over this many optimiser steps.", 0)
     micro_batch_size: int = _doc(
