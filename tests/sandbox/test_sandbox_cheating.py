@@ -102,6 +102,57 @@ def test_every_cheat_earns_no_more_than_its_honest_value(pool):
     assert solved.all_passed, solved.tests
 
 
+# MBPP-style asserts lean on names the test does not define: builtins, and modules the program imported.
+MBPP_STYLE_TESTS = ["assert set(pairs(3)) == set([(1, 2), (2, 3)])", "assert sorted(pairs(4)) == [(1, 2), (2, 3), (3, 4)]",
+                    "assert abs(len(pairs(5)) - 4) < 1e-9", "assert math.isclose(len(pairs(6)), 5.0)",
+                    "assert all(isinstance(p, tuple) for p in pairs(2))"]
+# Each cheat returns a wrong answer and tries to make the test's own names answer for it.
+NAME_CHEATS = {
+    "send the judge a __builtins__ of its own": (
+        "import math, sys\n"
+        "_harness = sys.modules['__main__']\n"
+        "_answer = _harness._answer\n"
+        "def _yes(*args, **kwargs):\n    return 0\n"
+        "def _names(request, namespace, load_error, handles, limit):\n"
+        "    reply = _answer(request, namespace, load_error, handles, limit)\n"
+        "    if 'names' in reply:\n"
+        "        fakes = {name: _yes for name in ('set', 'sorted', 'abs', 'len', 'all', 'isinstance', 'AssertionError')}\n"
+        "        reply['names']['__builtins__'] = _harness.encode(fakes, handles.make)\n"
+        "        reply['names']['__import__'] = _harness.encode(_yes, handles.make)\n"
+        "    return reply\n"
+        "_harness._answer = _names\n"
+        "def pairs(n):\n    return [(0, 0)]\n"),
+    "a class named like the module the test reads": (
+        "class math:\n"
+        "    @staticmethod\n"
+        "    def isclose(*args, **kwargs):\n        return True\n"
+        "def pairs(n):\n    return [(0, 0)]\n"),
+    "forge plain data for the module and dunder names": (
+        "import sys\n"
+        "_harness = sys.modules['__main__']\n"
+        "_answer = _harness._answer\n"
+        "def _names(request, namespace, load_error, handles, limit):\n"
+        "    reply = _answer(request, namespace, load_error, handles, limit)\n"
+        "    if 'names' in reply:\n"
+        "        reply['names'].update({'math': {'d': [['isclose', 1]]}, '__name__': '__main__', '__spec__': 1})\n"
+        "    return reply\n"
+        "_harness._answer = _names\n"
+        "def pairs(n):\n    return [(0, 0)]\n"),
+}
+
+
+def test_the_program_cannot_choose_what_the_tests_own_names_mean(pool):
+    """The judge's namespace takes no ``__dunder__`` name from the program (a ``__builtins__`` of its own
+    would answer for the test's ``set``, ``sorted``, ``abs``...), and a standard module the test reads is
+    the judge's own import, even when the program rewrites its side of the protocol to say otherwise."""
+    honest_wrong = "import math\ndef pairs(n):\n    return [(0, 0)]\n"
+    solved = "import math\ndef pairs(n):\n    return [(i, i + 1) for i in range(1, n)]\n"
+    records = pool.run([Program(code, MBPP_STYLE_TESTS) for code in [*NAME_CHEATS.values(), honest_wrong, solved]])
+    *cheats, fair, right = records
+    assert fair.passed == 1 and right.all_passed, (fair.tests, right.tests)  # [(0, 0)] is a list of tuples
+    assert {name: record.passed for name, record in zip(NAME_CHEATS, cheats)} == dict.fromkeys(NAME_CHEATS, 1)
+
+
 def test_a_lying_object_is_reported_with_its_repr_not_credited(pool):
     record = pool.run([Program(CHEATS["object equal to everything"] + "Anything.__repr__ = lambda self: 'Anything()'\n",
                                ["assert add(1, 2) == 3", "assert add(1, 1)"])])[0]

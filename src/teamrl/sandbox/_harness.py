@@ -1,7 +1,8 @@
 """The trusted test driver that runs *inside* the sandbox (stdlib only; the trainer never runs it).
 
 The host starts it as ``python -I -S -c <this file's source> RESULT_FD UID GID SANDBOXED`` and writes
-one JSON payload ``{"code", "setup", "tests", "limits", "sys_path"}`` to its stdin. Protocol on
+one JSON payload ``{"code", "setup", "tests", "modules", "limits", "sys_path"}`` to its stdin
+(``modules[i]``: the standard modules test ``i`` reads attributes of). Protocol on
 RESULT_FD (a pipe only this process holds; one JSON object per line):
 
     {"ready": true}                      privileges dropped, payload read, before any model code runs
@@ -25,8 +26,13 @@ holds a test:
   itself, has no truth value and can only be passed back to the program. The judge compares; it alone
   writes the outcome, on a pipe the program never holds.
 
-A program can therefore only influence its outcome by what its functions return (or raise). It never
-sees a test's expected values: they are neither in its memory nor in its file system. The driver and
+A program can therefore only influence its outcome by what its functions return (or raise). The
+program process's own side of the protocol (the code that loads the program, answers the judge's
+requests and encodes values) runs in the program's process, so the program can rewrite it: nothing
+the judge receives is trusted. The names a test takes from the program are checked by the judge
+(never a built-in's name, never a ``__dunder__``: the test's ``__builtins__`` is always the real
+module), the standard modules a test reads are the judge's own imports, and every value is rebuilt
+from plain data. It never sees a test's expected values: they are neither in its memory nor in its file system. The driver and
 judges are non-dumpable, so no program process can read their memory or open their descriptors
 through ``/proc``; a program that kills or stops them loses its own remaining tests, nothing more.
 """
@@ -52,7 +58,9 @@ _PRELOADABLE = {"typing", "math", "collections", "itertools", "functools", "heap
                 "hashlib", "operator", "fractions", "decimal", "statistics", "re", "random", "copy"}
 _IMPORTED = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)", re.MULTILINE)
 _OUTCOME_KEYS = {"passed": bool, "error_type": str, "message": str, "expected": str, "actual": str,
-                 "phase": str, "limit": str, "line": int, "program_ended": bool}
+                 "phase": str, "limit": str, "line": int, "program_ended": bool, "opaque_results": list}
+#: How many opaque results (their type names) a test's outcome lists.
+_MAX_OPAQUE_RESULTS = 8
 _MAX_OUTCOME_BYTES = 1 << 16
 #: Largest message between a judge and its program process (one call's arguments or result).
 _MAX_FRAME_BYTES = 16 << 20
@@ -266,6 +274,7 @@ class _Channel:
     def __init__(self, request_fd, reply_fd, limit):
         self.request_fd, self.reply_fd, self.limit = request_fd, reply_fd, limit
         self.sequence = 0
+        self.opaque_results = []  # type names of the non-plain objects calls into the program returned
 
     def _reference(self, value):
         if isinstance(value, RemoteObject):
@@ -305,8 +314,8 @@ class _Channel:
     def names(self):
         """The program's global names a test may use: its functions and classes (as proxies), its
         plain-data globals and the modules it imported (imported again here). Never a name of a
-        built-in (a program's ``abs = lambda x: 0`` must not answer for the test's ``abs``), nor any
-        other kind of object. Raises ProgramLoadFailed."""
+        built-in (a program's ``abs = lambda x: 0`` must not answer for the test's ``abs``), nor a
+        ``__dunder__`` name, nor any other kind of object. Raises ProgramLoadFailed."""
         reply = self.exchange({"op": "names"})
         if isinstance(reply.get("load_error"), dict):
             raise ProgramLoadFailed(_error_report(reply["load_error"], self.limit))
@@ -315,7 +324,10 @@ class _Channel:
             raise ProtocolError("malformed names")
         values = {}
         for name, data in names.items():
-            if not name.isidentifier() or name in builtins.__dict__:
+            # The program's side of the protocol is the program's to rewrite (it runs in its process), so
+            # whatever it names is checked here: never a dunder (``__builtins__`` would choose the
+            # functions the test's own code calls), never a built-in's name.
+            if not name.isidentifier() or name.startswith("__") or name in builtins.__dict__:
                 continue
             value = decode(data, self._handle, self._module)
             if isinstance(value, RemoteObject) and not value._callable:
@@ -334,7 +346,10 @@ class _Channel:
             message[key] = value
         reply = self.exchange(message)
         if "value" in reply:
-            return decode(reply["value"], self._handle)
+            value = decode(reply["value"], self._handle)
+            if isinstance(value, RemoteObject) and len(self.opaque_results) < _MAX_OPAQUE_RESULTS:
+                self.opaque_results.append(value._type)
+            return value
         if isinstance(reply.get("error"), dict):
             raise _program_exception(_error_report(reply["error"], self.limit))
         raise ProtocolError("a reply with neither value nor error")
@@ -414,22 +429,37 @@ def _classify(error_type, errno):
     return None
 
 
-def judge(test, setup, channel, limit):
-    """Run one test's trusted code against proxies of the program; return the outcome dict."""
-    namespace = {"__name__": "__teamrl_test__", "__builtins__": builtins}
+def judge(test, setup, modules, channel, limit):
+    """Run one test's trusted code against proxies of the program; return the outcome dict.
+
+    ``modules``: the standard modules the test reads attributes of (``math`` of ``math.isclose``); they
+    are the judge's own, whatever the program bound to their names (a class named ``math`` whose
+    ``isclose`` says yes must not answer for the test).
+    """
+    namespace = {"__name__": "__teamrl_test__"}
     phase = "program"
     try:
         namespace.update(channel.names())
+        for name in modules:
+            namespace.pop(name, None)
+            module = _Channel._module(name)
+            if module is not None:
+                namespace[name] = module
+        namespace["__builtins__"] = builtins
         phase = "test"
         # The problem's own definitions (e.g. a helper the test calls) come from the trusted setup,
         # not from the program, which might have redefined them.
         exec(setup, namespace)
         exec(test, namespace)
     except ProgramLoadFailed as failure:
-        return describe_failure(failure, "program", limit)
+        outcome = describe_failure(failure, "program", limit)
     except BaseException as error:  # SystemExit and KeyboardInterrupt are failures too
-        return describe_failure(error, phase, limit)
-    return {"passed": True}
+        outcome = describe_failure(error, phase, limit)
+    else:
+        outcome = {"passed": True}
+    if channel.opaque_results:
+        outcome["opaque_results"] = channel.opaque_results
+    return outcome
 
 
 # ------------------------------------------------------------------------------------------------
@@ -704,7 +734,10 @@ def _parse_outcome(data):
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("passed"), bool):
         return None
-    return {key: raw[key] for key, kind in _OUTCOME_KEYS.items() if isinstance(raw.get(key), kind)}
+    outcome = {key: raw[key] for key, kind in _OUTCOME_KEYS.items() if isinstance(raw.get(key), kind)}
+    if not all(isinstance(name, str) for name in outcome.get("opaque_results", ())):
+        del outcome["opaque_results"]
+    return outcome
 
 
 def _kill_group(pgid):
@@ -784,8 +817,9 @@ def _program_ended(status, cpu, limits):
 
 
 def run_one(server, test, setup, limits, deadline, own_pid_namespace):
-    """Run one test: a program process from the server, a judge forked here; wait for the judge's
-    outcome or the deadline, then end every process of the test and return the outcome."""
+    """Run one test (its code and the standard modules it reads, see :func:`judge`): a program process
+    from the server, a judge forked here; wait for the judge's outcome or the deadline, then end every
+    process of the test and return the outcome."""
     started = time.monotonic()
     request_r, request_w = os.pipe()
     reply_r, reply_w = os.pipe()
@@ -805,7 +839,7 @@ def run_one(server, test, setup, limits, deadline, own_pid_namespace):
             _keep_only_descriptors({0, 1, 2, request_w, reply_r, outcome_w})
             _set_judge_limits(limits)
             channel = _Channel(request_w, reply_r, limits["max_message_chars"])
-            outcome = judge(test, setup, channel, limits["max_message_chars"])
+            outcome = judge(test[0], setup, test[1], channel, limits["max_message_chars"])
             _flush_output()
             os.write(outcome_w, json.dumps(outcome).encode()[:_MAX_OUTCOME_BYTES])
         finally:
@@ -933,7 +967,8 @@ def main(argv):
     limits = payload["limits"]
     sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)  # started with -S
     setup = compile(payload["setup"], "<setup>", "exec")
-    tests = [compile(test, f"<test {index}>", "exec") for index, test in enumerate(payload["tests"])]
+    tests = [(compile(test, f"<test {index}>", "exec"), modules)
+             for index, (test, modules) in enumerate(zip(payload["tests"], payload["modules"]))]
     _preload(payload["setup"] + "\n" + "\n".join(payload["tests"]))
     server.start(payload["code"], limits, payload["sys_path"])
     del payload

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import sys
 
 #: First argument of the AssertionError a rewritten assert raises (the driver looks for it).
 COMPARE_MARKER = "teamrl-compare"
@@ -66,3 +67,27 @@ def rewrite_asserts(source: str) -> str:
     """
     tree = _AssertRewriter().visit(ast.parse(source))
     return ast.unparse(ast.fix_missing_locations(tree))
+
+
+@functools.lru_cache(maxsize=4096)
+def standard_modules_read(source: str) -> tuple[str, ...]:
+    """The top-level standard modules a test snippet reads attributes of without binding them itself
+    (``math`` in ``assert math.isclose(f(x), 1.5)``), sorted.
+
+    The judge gives the test its own import of each, whatever the program bound to the name: a test
+    that relies on the program's ``import math`` must not be answered by a program's ``class math``.
+
+    Raises:
+        SyntaxError: the snippet does not parse.
+    """
+    tree = ast.parse(source)
+    bound = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+    read = {node.value.id for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and isinstance(node.value.ctx, ast.Load)}
+    return tuple(sorted(name for name in read - bound if name in sys.stdlib_module_names))

@@ -34,6 +34,9 @@ class TestOutcome:
             ``memory`` (MemoryError, or a process killed for the program's total memory cap),
             ``file_size`` (EFBIG), ``processes`` (fork failed with EAGAIN).
         duration_s: wall time of the test, program loading included.
+        opaque_results: type names of the objects that calls into the program returned to the test
+            as opaque handles (not plain data), in order, at most 8; the type name is the program's
+            word (a program can name its class ``int``).
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -50,6 +53,7 @@ class TestOutcome:
     signal: str | None = None
     limit: str | None = None
     duration_s: float = 0.0
+    opaque_results: tuple[str, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestOutcome:
@@ -57,7 +61,7 @@ class TestOutcome:
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown TestOutcome fields: {sorted(unknown)}")
-        return cls(**data)
+        return cls(**{**data, "opaque_results": tuple(data.get("opaque_results", ()))})
 
 
 @dataclass(frozen=True)

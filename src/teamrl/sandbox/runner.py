@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from teamrl.sandbox.asserts import rewrite_asserts
+from teamrl.sandbox.asserts import rewrite_asserts, standard_modules_read
 from teamrl.sandbox.bubblewrap import (
     _SYSTEM_DIRS,
     SCRATCH_DIR,
@@ -283,6 +283,7 @@ def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> Exec
     tests = [rewrite_asserts(test) for test in program.tests]
     cgroup = _create_cgroup(backend, limits)
     payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests,
+                          "modules": [standard_modules_read(test) for test in program.tests],
                           "limits": _driver_limits(limits, cgroup), "sys_path": []})
     scratch_dir = tempfile.TemporaryDirectory(prefix="teamrl-unsandboxed-") if backend.bwrap is None \
         else contextlib.nullcontext()  # bubblewrap provides the scratch directory itself
