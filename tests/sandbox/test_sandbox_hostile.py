@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import platform
 import sys
 
 import pytest
 
-from teamrl.sandbox import ABORTED, COMPLETED, TIMED_OUT, Program, SandboxLimits, SandboxPool
+from teamrl.sandbox import ABORTED, COMPLETED, TIMED_OUT, Program, SandboxLimits, SandboxPool, run_program
+from teamrl.sandbox.runner import _UID_BASE, _UID_SPAN
 
 DAEMON_MARK = "TEAMRL_DAEMON_" + "CANARY"
 pytestmark = pytest.mark.usefixtures("no_stray_processes")
@@ -313,6 +316,108 @@ def test_graded_code_cannot_create_user_namespaces(pool):
     Threads, fork and subprocess (clone, and clone3's fallback to it) keep working."""
     record = pool.run([Program(USERNS_PROBE, ["assert new_user_namespace() == (-1, 1)",  # EPERM
                                               "assert ordinary_processes_and_threads() == ([1], 7, '42')"])])[0]
+    assert record.all_passed, record.tests
+
+
+# The numbers the probes below call by, per architecture (asm/unistd_64.h; asm-generic/unistd.h).
+SYSCALLS = {
+    "x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298, "bpf": 321,
+               "userfaultfd": 323, "io_uring_setup": 425},
+    "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "perf_event_open": 241, "bpf": 280,
+                "userfaultfd": 282, "io_uring_setup": 425},
+}.get(platform.machine())
+needs_syscall_numbers = pytest.mark.skipif(SYSCALLS is None, reason=f"no syscall table for {platform.machine()}")
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING = -3, -4
+KEYCTL_GET_KEYRING_ID, KEYCTL_INVALIDATE, KEYCTL_READ, KEYCTL_SEARCH = 0, 21, 11, 10
+
+KERNEL_PROBE = (
+    "import ctypes, os, struct\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    f"NR = {SYSCALLS!r}\n"
+    "def call(name, *args):\n"
+    "    ctypes.set_errno(0)\n"
+    "    return libc.syscall(ctypes.c_long(NR[name]), *args), ctypes.get_errno()\n"
+    "def add_keys(n):\n"
+    f"    return [call('add_key', b'user', b'k%d' % i, b'x' * 90, 90, ctypes.c_int({KEY_SPEC_USER_KEYRING}))\n"
+    "            for i in range(n)][-1]\n"
+    "def user_keyring():  # created on first use, and kept by the kernel after the program\n"
+    f"    return call('keyctl', {KEYCTL_GET_KEYRING_ID}, ctypes.c_int({KEY_SPEC_USER_KEYRING}), 1)\n"
+    "def requested_key():\n"
+    f"    return call('request_key', b'user', b'teamrl-probe', None, ctypes.c_int({KEY_SPEC_USER_KEYRING}))\n"
+    "def host_key(description, key):\n"
+    f"    found = call('keyctl', {KEYCTL_SEARCH}, ctypes.c_int({KEY_SPEC_SESSION_KEYRING}), b'user', description, 0)\n"
+    "    payload = ctypes.create_string_buffer(64)\n"
+    f"    read = call('keyctl', {KEYCTL_READ}, ctypes.c_long(key), payload, 64)\n"
+    "    return found, read, payload.value\n"
+    "def perf_events():  # a software clock of this very process, which perf_event_paranoid <= 2 allows\n"
+    "    attr = ctypes.create_string_buffer(128)\n"
+    "    struct.pack_into('<IIQ', attr, 0, 1, 64, 0)  # PERF_TYPE_SOFTWARE, attr size, CPU clock\n"
+    "    struct.pack_into('<Q', attr, 40, 0x60)  # exclude_kernel, exclude_hv\n"
+    "    return call('perf_event_open', attr, 0, -1, -1, 0)\n"
+    "def userfaultfd():\n"
+    "    return call('userfaultfd', os.O_CLOEXEC | 1)  # UFFD_USER_MODE_ONLY: no privilege needed\n"
+    "def io_uring():\n"
+    "    return call('io_uring_setup', 1, ctypes.create_string_buffer(120))\n"
+    "def bpf_map():\n"
+    "    attr = ctypes.create_string_buffer(128)\n"
+    "    struct.pack_into('<IIII', attr, 0, 2, 4, 4, 1)  # BPF_MAP_TYPE_ARRAY of one 4-byte value\n"
+    "    return call('bpf', 0, attr, 128)  # BPF_MAP_CREATE\n"
+)
+
+
+def _key_users(uids) -> dict[int, str]:
+    """The lines of /proc/key-users (the kernel's per-uid key accounting) for ``uids``."""
+    with open("/proc/key-users") as table:
+        rows = (line.split(":", 1) for line in table)
+        return {int(uid): usage.strip() for uid, usage in rows if int(uid) in uids}
+
+
+def _syscall(name: str, *args) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(ctypes.c_long(SYSCALLS[name]), *args)
+
+
+@needs_syscall_numbers
+def test_graded_code_leaves_no_kernel_keys_behind(pool, bubblewrap):
+    """Keys outlive their process: the sandbox's uid would keep what a program put in its keyrings, and in
+    root mode every sandbox has a fresh uid. add_key, keyctl and request_key are refused, and no sandbox
+    uid has keys afterwards (in user mode the sandbox shares the trainer's uid, so only the refusals show)."""
+    sandbox_uids = range(_UID_BASE, _UID_BASE + _UID_SPAN)
+    before = _key_users(sandbox_uids)
+    record = pool.run([Program(KERNEL_PROBE, ["assert add_keys(20) == (-1, 1)",  # EPERM
+                                              "assert user_keyring() == (-1, 1)",
+                                              "assert requested_key() == (-1, 1)"])])[0]
+    if bubblewrap.privileged:
+        assert _key_users(sandbox_uids) == before
+    assert record.all_passed, record.tests
+
+
+@needs_syscall_numbers
+def test_graded_code_cannot_read_the_trainers_session_keys(bubblewrap, fast_limits):
+    """The sandbox inherits the session keyring of the thread that starts it; possessing it, a program could
+    read the keys in it, and /proc/keys would list them (run_program starts it from this thread, which
+    holds the key)."""
+    key = _syscall("add_key", b"user", b"teamrl-host-secret", b"hunter2", 7, ctypes.c_int(KEY_SPEC_SESSION_KEYRING))
+    if key < 0:
+        pytest.skip(f"this host refuses kernel keys to the tests (errno {ctypes.get_errno()})")
+    try:
+        record = run_program(Program(KERNEL_PROBE, [f"print(host_key(b'teamrl-host-secret', {key}))",
+                                                    "assert 'teamrl-host-secret' not in open('/proc/keys').read()"]),
+                             fast_limits)
+    finally:
+        _syscall("keyctl", KEYCTL_INVALIDATE, ctypes.c_long(key))
+    assert record.all_passed, record.tests
+    assert "hunter2" not in record.stdout and record.stdout.strip() == "((-1, 1), (-1, 1), b'')"  # EPERM twice
+
+
+@needs_syscall_numbers
+def test_graded_code_cannot_reach_kernel_interfaces_it_does_not_need(pool):
+    """perf events, userfaultfd, io_uring and BPF: large kernel surfaces no graded program needs (without the
+    filter the first three work here as the sandbox user; BPF is also up to the host's sysctl)."""
+    record = pool.run([Program(KERNEL_PROBE, [f"assert {probe}() == (-1, 1)"
+                                              for probe in ("perf_events", "userfaultfd", "io_uring", "bpf_map")])])[0]
     assert record.all_passed, record.tests
 
 

@@ -101,11 +101,11 @@ def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...],
     No network, IPC, UTS or PID sharing with the host (``--die-with-parent``: the sandbox dies with
     us; its own PID 1 takes every process in it down when the driver exits); a read-only view of the
     system directories and the interpreter, with the ``hidden`` directories under them replaced by
-    empty read-only ones; a fresh read-only ``/proc`` of the sandbox's PID namespace; a minimal
-    ``/dev``; a private size-limited tmpfs as the writable cwd; a new session (no terminal to inject
-    keystrokes into); the seccomp filter read from ``seccomp_fd``, if given. In privileged mode the
-    sandbox keeps only CAP_SETUID and CAP_SETGID, which the driver uses once to become an
-    unprivileged user and thereby loses.
+    empty read-only ones; a fresh read-only ``/proc`` of the sandbox's PID namespace (``/proc/keys``
+    empty); a minimal ``/dev``; a private size-limited tmpfs as the writable cwd; a new session (no
+    terminal to inject keystrokes into); the seccomp filter read from ``seccomp_fd``, if given. In
+    privileged mode the sandbox keeps only CAP_SETUID and CAP_SETGID, which the driver uses once to
+    become an unprivileged user and thereby loses.
     """
     args = [bwrap.path, "--die-with-parent", "--new-session"]
     if bwrap.privileged:
@@ -122,7 +122,12 @@ def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...],
             args += ["--ro-bind", path, path]
     for path in _SYSTEM_FILES:
         args += ["--ro-bind-try", path, path]
-    args += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--perms", "1777"]
+    args += ["--proc", "/proc", "--remount-ro", "/proc"]
+    if os.path.exists("/proc/keys"):
+        # It lists the keys the sandbox may view: those of the session keyring it inherits from the
+        # trainer too. The seccomp filter keeps their contents out of reach; this, their names.
+        args += ["--dev-bind", "/dev/null", "/proc/keys"]  # --ro-bind would make the device unopenable (nodev)
+    args += ["--dev", "/dev", "--perms", "1777"]
     if bwrap.supports_size:
         args += ["--size", str(scratch_bytes)]
     args += ["--tmpfs", SCRATCH_DIR, "--chdir", SCRATCH_DIR]

@@ -39,7 +39,7 @@ from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
 from teamrl.sandbox.limits import SandboxLimits
 from teamrl.sandbox.program import Program
 from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
-from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, no_user_namespaces_filter
+from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, syscall_filter
 
 _log = logging.getLogger("teamrl.sandbox")
 
@@ -66,7 +66,7 @@ class _Backend:
     bwrap: Bubblewrap | None  # None: unsandboxed, by the user's explicit choice
     roots: tuple[str, ...]
     hidden: tuple[str, ...] = ()  # site-packages directories the sandbox replaces by empty ones
-    seccomp: bytes | None = None  # the filter against new user namespaces (teamrl.sandbox.seccomp)
+    seccomp: bytes | None = None  # the system calls refused to graded code (teamrl.sandbox.seccomp)
     cgroups: CgroupFactory | None = None  # None: the memory cap is split over the processes
 
 
@@ -103,7 +103,7 @@ def _hidden_dirs(roots: tuple[str, ...]) -> tuple[str, ...]:
 
 def _seccomp_filter(bwrap: Bubblewrap) -> bytes | None:
     try:
-        return no_user_namespaces_filter()
+        return syscall_filter()
     except SeccompUnavailableError as error:
         if bwrap.privileged or not bwrap.supports_disable_userns:
             # Nothing else would stop graded code from creating user namespaces.

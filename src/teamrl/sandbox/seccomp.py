@@ -1,17 +1,35 @@
-"""The seccomp filter every sandbox runs under: graded code cannot create user namespaces.
+"""The seccomp filter every sandbox runs under: what graded code may not ask of the kernel.
 
-A new user namespace makes its creator root inside it, with every capability over the namespaces it
-creates next (mounts, network, more users): a large kernel surface that no graded program needs. In
-user mode bubblewrap's ``--disable-userns`` forbids it already (bubblewrap 0.8 and later); in root
-mode the sandbox has no user namespace of its own (see :attr:`Bubblewrap.privileged
-<teamrl.sandbox.bubblewrap.Bubblewrap.privileged>`), so only a seccomp filter can. The filter is
-built once with libseccomp (through ``pyseccomp``) and handed to bubblewrap (``--seccomp FD``), which
-installs it just before it starts the driver; every process of the sandbox inherits it.
+bubblewrap takes the filter (``--seccomp FD``) and installs it just before it starts the driver;
+every process of the sandbox inherits it. It is built once with libseccomp (through ``pyseccomp``).
+The system calls it refuses, and why:
 
-The rules: ``unshare`` and ``clone`` with ``CLONE_NEWUSER`` in their flags fail with EPERM;
-``clone3``, whose flags live in memory a filter cannot read, fails with ENOSYS, on which the C
-library falls back to ``clone`` (threads, ``fork`` and ``subprocess`` keep working). System calls of
-another architecture than the host's (e.g. the 32-bit ABI on x86-64) kill the process.
+- **New user namespaces** (``unshare`` and ``clone`` with ``CLONE_NEWUSER`` fail with EPERM). A new
+  user namespace makes its creator root inside it, with every capability over the namespaces it
+  creates next (mounts, network, more users): a large kernel surface that no graded program needs.
+  In user mode bubblewrap's ``--disable-userns`` forbids it already (bubblewrap 0.8 and later); in
+  root mode the sandbox has no user namespace of its own (see :attr:`Bubblewrap.privileged
+  <teamrl.sandbox.bubblewrap.Bubblewrap.privileged>`), so only this filter can. ``clone3``, whose
+  flags live in memory a filter cannot read, fails with ENOSYS, on which the C library falls back to
+  ``clone`` (threads, ``fork`` and ``subprocess`` keep working).
+- **Kernel keyrings** (``add_key``, ``keyctl``, ``request_key`` fail with EPERM). Keys belong to a
+  uid, not to a process: a key put in the user keyring outlives the program and its sandbox for as
+  long as the kernel runs. In root mode every sandbox has a fresh uid, each with its own key quota
+  (by default 200 keys and 20 000 bytes of payload, plus the kernel's memory for them), so over a
+  training run the leftovers would grow without bound. The sandbox also inherits the trainer's
+  session keyring and, possessing it, could read the keys in it; and ``request_key`` can make the
+  kernel run ``/sbin/request-key`` as root on the host.
+- **Kernel interfaces no graded program needs** (``bpf``, ``perf_event_open``, ``userfaultfd``,
+  ``io_uring_setup`` fail with EPERM): each is a large piece of kernel code reachable without
+  privilege where the host's sysctls allow it, and between them the source of many local privilege
+  escalations. Without ``io_uring_setup`` the other io_uring calls have no ring to act on.
+
+Not listed because the kernel refuses them anyway: mounts, module loading, ``kexec``, reboot, swap
+and the like need capabilities the sandbox does not have (in root mode it keeps CAP_SETUID and
+CAP_SETGID only until the driver switches to an unprivileged uid), and System V IPC objects and
+POSIX message queues live in the sandbox's own IPC namespace, which the kernel frees with it.
+System calls of another architecture than the host's (e.g. the 32-bit ABI on x86-64) kill the
+process, so none of the above can be reached by another number.
 """
 
 from __future__ import annotations
@@ -27,8 +45,12 @@ class SeccompUnavailableError(RuntimeError):
     """libseccomp (or its Python binding) is missing."""
 
 
+# Refused with EPERM, as where the kernel or its sysctls forbid them (see the module docstring).
+DENIED = ("add_key", "keyctl", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup")
+
+
 @functools.cache
-def no_user_namespaces_filter() -> bytes:
+def syscall_filter() -> bytes:
     """The filter as a BPF program bubblewrap can load.
 
     Raises:
@@ -45,6 +67,8 @@ def no_user_namespaces_filter() -> bytes:
     rules.add_rule(seccomp.ERRNO(errno.EPERM), "unshare", new_user)
     rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", new_user)
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for name in DENIED:
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
     read_end, write_end = os.pipe()
     try:
         with os.fdopen(write_end, "wb") as pipe:
