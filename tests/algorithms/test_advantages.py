@@ -6,6 +6,7 @@ library's own formula.
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +18,11 @@ from teamrl.algorithms.advantages import (
     absorbing_factor,
     agent_advantages,
     best_of_others,
-    group_advantages,
     joint_action_combos,
     leave_one_out,
     mean_baseline,
     no_baseline,
+    sample_advantages,
     std_normalised,
     tree_returns,
 )
@@ -113,27 +114,24 @@ def test_max_baseline_needs_two_returns():
         best_of_others(t([[3.0]]))
 
 
-def test_group_advantages_groups_over_joint_actions_per_point_and_channel():
-    # (E=2, M=3, K=2): a group is the M joint actions of one expansion point, for one channel.
-    returns = t([
-        [[1, 10], [2, 20], [6, 0]],   # point 0: channel 0 = [1, 2, 6] (mean 3), channel 1 = [10, 20, 0] (mean 10)
-        [[0, 5], [0, 5], [3, 8]],     # point 1: channel 0 = [0, 0, 3] (mean 1), channel 1 = [5, 5, 8] (mean 6)
-    ])
-    expected = [
-        [[-2, 0], [-1, 10], [3, -10]],
-        [[-1, -1], [-1, -1], [2, 2]],
-    ]
-    close(group_advantages(returns, "mean"), expected)
-    # rloo = G/(G-1) = 3/2 times the mean baseline here: point 0 channel 0 -> [-3, -1.5, 4.5]
-    close(group_advantages(returns, "rloo")[0, :, 0], [-3, -1.5, 4.5])
-    close(group_advantages(returns, "none"), returns.tolist())
-    # max: point 0 channel 1 = [10, 20, 0] -> best of the others 20, 10, 20 -> [-10, 10, -20]
-    close(group_advantages(returns, "max")[0, :, 1], [-10, 10, -20])
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("mean", [[-2, -1, 3], [-1, -1, 2]]),            # R - 3 ; R - 1
+    ("rloo", [[-3, -1.5, 4.5], [-1.5, -1.5, 3]]),    # 3/2 times the mean baseline's
+    ("none", [[1, 2, 6], [0, 0, 3]]),
+    ("max", [[-5, -4, 4], [-3, -3, 3]]),             # R - best of the others: 1 - 6, 2 - 6, 6 - 2 ; 0 - 3, 0 - 3, 3 - 0
+])
+def test_sample_advantages_aligned_groups_the_joint_actions_of_each_point(mode, expected):
+    # (E=2, M=G=3) aligned: a group is the 3 joint actions of one expansion point, and every agent's
+    # sample g is joint action g. Point 0: returns [1, 2, 6] (mean 3); point 1: [0, 0, 3] (mean 1).
+    returns = t([[1, 2, 6], [0, 0, 3]])
+    combos = joint_action_combos(2, 3, "aligned")
+    for agent in range(2):
+        close(sample_advantages(returns, combos, agent, 3, mode), expected)
 
 
-def test_group_advantages_unknown_mode():
+def test_sample_advantages_unknown_mode():
     with pytest.raises(ValueError, match="unknown mode"):
-        group_advantages(torch.zeros(1, 2, 1), "median")
+        sample_advantages(torch.zeros(1, 2), joint_action_combos(2, 2, "aligned"), 0, 2, "median")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +201,7 @@ def test_issue_example_a_stopped_leaf_valued_as_r_pushes_the_solved_action_down(
     old = tree_returns(rewards, parents, 1.0)  # the stopped joint action as a plain leaf, R = r
     # R = [4, 2 + 2.5, 1 + 1.25, 3 + 3.5] = [4, 4.5, 2.25, 6.5], mean 4.3125
     close(old[0].squeeze(-1), [[4, 4.5, 2.25, 6.5]])
-    advantages = group_advantages(old[0], "mean").squeeze(-1)
+    advantages = mean_baseline(old[0].squeeze(-1))
     close(advantages, [[-0.3125, 0.1875, -2.0625, 2.1875]])  # the issue's [-0.31, 0.19, -2.06, 2.19]
     assert advantages[0, 0] < 0
 
@@ -213,7 +211,7 @@ def test_issue_example_a_stopped_joint_action_is_absorbing_and_gets_the_highest_
     new = tree_returns(rewards, parents, 1.0, stopped, num_turns=2)
     # stopped at turn 1 of 2: R = 4 * (1 + 1) = 8 ; the others unchanged: [8, 4.5, 2.25, 6.5], mean 5.3125
     close(new[0].squeeze(-1), [[8, 4.5, 2.25, 6.5]])
-    advantages = group_advantages(new[0], "mean").squeeze(-1)
+    advantages = mean_baseline(new[0].squeeze(-1))
     close(advantages, [[2.6875, -0.8125, -3.0625, 1.1875]])
     assert int(advantages.argmax()) == 0
     close(new[1], rewards[1].tolist())  # the last turn's joint actions are ordinary leaves
@@ -231,7 +229,7 @@ def test_stopping_early_is_worth_exactly_continuing_at_the_same_reward():
     # continuing: turn 3 R = 2 ; turn 2 R = 2 + .5 * 2 = 3 ; turn 1 R = 2 + .5 * 3 = 3.5
     # stopped at turn 1: 2 * (1 + .5 + .25) = 3.5 -> the same, so the advantages are 0
     close(out[0].squeeze(-1), [[3.5, 3.5]])
-    close(group_advantages(out[0], "mean"), [[[0.0], [0.0]]])
+    close(mean_baseline(out[0].squeeze(-1)), [[0.0, 0.0]])
 
 
 def test_a_joint_action_stopped_at_turn_2_of_3_keeps_its_reward_for_two_turns():
@@ -409,9 +407,16 @@ def test_end_to_end_aligned_one_turn_std():
         # rewards (g0, g1): (0,0)=5 (0,1)=3 (1,0)=1 (1,1)=-1, mean 2 -> joint A = [3, 1, -1, -3]
         # agent 0: [(3+1)/2, (-1-3)/2] = [2, -2] ; agent 1: [(3-1)/2, (1-3)/2] = [1, -1]
         ("mean", [2, -2], [1, -1]),
-        # rloo over M = 4: joint A = 4/3 * [3, 1, -1, -3] = [4, 4/3, -4/3, -4]
-        # agent 0: [(4+4/3)/2, (-4/3-4)/2] = [8/3, -8/3] ; agent 1: [(4-4/3)/2, (4/3-4)/2] = [4/3, -4/3]
-        ("rloo", [8 / 3, -8 / 3], [4 / 3, -4 / 3]),
+        # std: the same over the joint actions' spread: unbiased std of [5, 3, 1, -1] = sqrt(20/3) = 2.58198890
+        # -> agent 0: +-2 / (2.58198890 + 1e-4) = +-0.77456667 ; agent 1: +-1 / 2.58208890 = +-0.38728334
+        ("std", [0.7745666704, -0.7745666704], [0.3872833352, -0.3872833352]),
+        # rloo leaves the sample out, so over each agent's samples, valued by their mean return over the partner's:
+        # agent 0: [(5+3)/2, (1-1)/2] = [4, 0] -> [4 - 0, 0 - 4] ; agent 1: [(5+1)/2, (3-1)/2] = [3, 1] -> [2, -2]
+        # (rloo over the M = 4 joint actions, 4/3 * [3, 1, -1, -3], would give agent 0 [8/3, -8/3]: the other
+        # joint action of its own sample in the baseline shrinks it)
+        ("rloo", [4, -4], [2, -2]),
+        # max: likewise; G = 2, so the best of the other samples is the other one, as rloo
+        ("max", [4, -4], [2, -2]),
         # none: joint A = [5, 3, 1, -1] -> agent 0: [4, 0] ; agent 1: [3, 1]
         ("none", [4, 0], [3, 1]),
     ],
@@ -436,6 +441,67 @@ def test_end_to_end_cross_three_agents():
     close(per_agent[0][0], [-2, 2])
     close(per_agent[1][0], [-1, 1])
     close(per_agent[2][0], [-0.5, 0.5])
+
+
+def test_maremax_cross_gives_samples_equally_good_over_their_partners_the_same_advantage():
+    # G = 2, n = 2; reward of (agent 0's sample, agent 1's sample): (0,0)=1 (0,1)=0 (1,0)=2 (1,1)=3.
+    # Agent 1's samples are worth (1+2)/2 = 1.5 and (0+3)/2 = 1.5 over agent 0's: equally good, advantage 0
+    # each (R - the best of the other joint actions, averaged, gave them -1.5 and -1: the best joint action
+    # (1,1) counted against sample 0 and, through the runner-up, for sample 1). Agent 0's: 0.5 and 2.5 ->
+    # 0.5 - 2.5 and 2.5 - 0.5.
+    turn = make_turn([[[1], [0], [2], [3]]], [0], joint_action_combos(2, 2, "cross"), 2, 2)
+    per_agent, _ = run_advantages([turn], 2, name="maremax", num_generations=2, joint_mode="cross")
+    close(per_agent[0][0], [-2, 2])
+    close(per_agent[1][0], [0, 0])
+
+
+@pytest.mark.parametrize(("mode", "agent0", "agent1"), [
+    # Returns R[g0][g1] = [[0, 3, 0], [6, 0, 0], [0, 0, 3]]. Each sample's mean return over the partner's 3:
+    # agent 0 (rows) [1, 2, 1], agent 1 (columns) [2, 1, 1].
+    # max: minus the best of the agent's other samples: agent 0 [1 - 2, 2 - 1, 1 - 2]; agent 1 [2 - 1, 1 - 2, 1 - 2]
+    ("max", [-1, 1, -1], [1, -1, -1]),
+    # rloo: minus their mean: agent 0 [1 - 1.5, 2 - 1, 1 - 1.5]; agent 1 [2 - 1, 1 - 1.5, 1 - 1.5]
+    ("rloo", [-0.5, 1, -0.5], [1, -0.5, -0.5]),
+])
+def test_leave_the_sample_out_baselines_in_cross_mode_compare_an_agents_own_samples(mode, agent0, agent1):
+    turn = make_turn([[[0], [3], [0], [6], [0], [0], [0], [0], [3]]], [0], joint_action_combos(2, 3, "cross"), 2, 3)
+    per_agent, _ = run_advantages([turn], 2, num_generations=3, joint_mode="cross", advantage=mode)
+    close(per_agent[0][0], agent0)
+    close(per_agent[1][0], agent1)
+
+
+@pytest.mark.parametrize(("num_agents", "num_samples", "num_actions"), [(2, 3, 3), (3, 3, 2)])
+@pytest.mark.parametrize("mode", ["max", "rloo", "none", "mean"])
+def test_cross_mode_advantages_are_unbiased_over_every_possible_draw(num_agents, num_samples, num_actions, mode):
+    """A sample's advantage A_g gives an unbiased policy gradient iff, for every action a sample g may draw,
+    E[A_g | sample g is a] = w Q(a) - c, with Q(a) the expected reward of a against the partners' policies
+    and w, c the same for every a: E[grad log pi(a)] = 0 removes c, leaving w times the gradient of E[R].
+    w = 1 for a baseline of the other samples only (rloo, max; none has none); the mean baseline counts
+    the sample's own 1/G share: w = (G-1)/G. Checked exactly, over every draw of every agent's G samples
+    from random policies over a few actions and a random reward table."""
+    weight = (num_samples - 1) / num_samples if mode == "mean" else 1.0
+    generator = torch.Generator().manual_seed(7)
+    policies = torch.rand(num_agents, num_actions, generator=generator) + 0.1
+    policies /= policies.sum(dim=1, keepdim=True)
+    table = torch.rand((num_actions,) * num_agents, generator=generator)
+    # every draw: draws[d, i, g] is the action agent i's sample g holds; each draw is one expansion point
+    draws = torch.tensor(list(itertools.product(range(num_actions), repeat=num_agents * num_samples)))
+    draws = draws.view(-1, num_agents, num_samples)
+    probability = policies[torch.arange(num_agents).view(1, -1, 1), draws].flatten(1).prod(dim=1)  # (D,)
+    combos = joint_action_combos(num_agents, num_samples, "cross")
+    actions = torch.stack([draws[:, i, combos[:, i]] for i in range(num_agents)], dim=-1)  # (D, M, n)
+    returns = table[tuple(actions.unbind(-1))]  # (D, M)
+    for agent in range(num_agents):
+        # Q(a): the table's mean over the other agents' actions, each drawn from its policy
+        q = table.movedim(agent, 0)
+        for other in reversed([j for j in range(num_agents) if j != agent]):
+            q = q @ policies[other]
+        advantages = sample_advantages(returns, combos, agent, num_samples, mode)  # (D, G)
+        for g in range(num_samples):
+            holds = torch.nn.functional.one_hot(draws[:, agent, g], num_actions).to(probability.dtype)  # (D, A)
+            conditional = (probability * advantages[:, g]) @ holds / (probability @ holds)  # E[A_g | a], (A,)
+            offset = weight * q - conditional
+            torch.testing.assert_close(offset, offset.mean().expand(num_actions), atol=1e-5, rtol=0)
 
 
 def _two_turn_tree():

@@ -2,7 +2,8 @@
 
 Shapes: a turn's rewards are (E, M, K): E expansion points (an item at turn 1, a non-terminal joint
 action of the previous turn later), M joint actions per point (G aligned, G^n cross) — the group —
-and K reward channels (1 for the joint reward; one per agent for independent learners).
+and K reward channels (1 for the joint reward; one per agent for independent learners). An agent's
+advantages are (E, G), one per sample it drew at each point (:func:`sample_advantages`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def best_of_others(returns: torch.Tensor) -> torch.Tensor:
     best gets 0. Leaving R_g out keeps the baseline independent of sample g, so the gradient stays an
     unbiased estimate of the return's; CoMLRL's R_g - max_k R_k (every sample counted) gives the best
     sample exactly 0 and the gradient of E[min(R_g, max of the others)] instead (docs/algorithm.md).
+    That holds when R_g is the only return that depends on sample g: in cross mode each sample is in
+    G^(n-1) joint actions, and :func:`sample_advantages` hands this function one value per sample.
     """
     size = returns.shape[-1]
     if size < 2:
@@ -65,11 +68,31 @@ def best_of_others(returns: torch.Tensor) -> torch.Tensor:
     return returns - others_best
 
 
-def group_advantages(returns: torch.Tensor, mode: str) -> torch.Tensor:
-    """Advantages of (E, M, K) returns, each group being the M joint actions of one expansion point."""
+LEAVE_THE_SAMPLE_OUT = frozenset({"rloo", "max"})
+"""Estimators whose baseline for sample g is built from the other samples' returns only (add a registered
+name here if its baseline does the same): :func:`sample_advantages` gives them one return per sample."""
+
+
+def sample_advantages(returns: torch.Tensor, combos: torch.Tensor, agent: int, num_samples: int,
+                      mode: str) -> torch.Tensor:
+    """(E, G) advantage of each of ``agent``'s samples, from the (E, M) returns of one reward channel.
+
+    Sample g's value is its mean return over the joint actions it is in (one when aligned; its G^(n-1)
+    pairings with the partners' samples in cross mode). A baseline the group shares ('mean', 'none';
+    'std' also divides by the group's spread) runs over the M joint actions, as Eq. 1 reads, and sample
+    g gets the mean advantage of its joint actions: for 'mean' and 'none' the same as over the samples'
+    values. A baseline that leaves sample g out ('rloo', 'max') has to leave out every joint action it
+    is in, or it depends on sample g (leaving out one joint action at a time, 'max' is biased and 'rloo'
+    shrunk toward 0), so it runs over the agent's other samples' values. Then E[A_g | sample g] = E[R | sample g]
+    - a constant: an unbiased gradient ('mean' gives (G-1)/G E[R | sample g] - a constant, its own share
+    counted; 'std''s spread depends on sample g, as in GRPO).
+    """
     if mode not in ADVANTAGES:
         raise ValueError(f"algorithm.advantage: unknown mode {mode!r}; registered: {', '.join(ADVANTAGES)}")
-    return ADVANTAGES[mode](returns.transpose(1, 2)).transpose(1, 2)
+    estimate = ADVANTAGES[mode]
+    if mode in LEAVE_THE_SAMPLE_OUT:
+        return estimate(agent_advantages(returns, combos, agent, num_samples))
+    return agent_advantages(estimate(returns), combos, agent, num_samples)
 
 
 def absorbing_factor(turns_left: int, discount: float) -> float:
@@ -142,9 +165,10 @@ def joint_action_combos(num_agents: int, num_samples: int, mode: str) -> torch.T
 
 
 def agent_advantages(joint: torch.Tensor, combos: torch.Tensor, agent: int, num_samples: int) -> torch.Tensor:
-    """(E, G) advantage of each of ``agent``'s samples: the mean over the joint actions it belongs to.
+    """(E, G) value of each of ``agent``'s samples: the mean of the (E, M) per-joint-action ``joint``
+    (advantages, or returns) over the joint actions it belongs to.
 
-    Aligned, each sample is in exactly one joint action and gets its advantage unchanged (the
+    Aligned, each sample is in exactly one joint action and gets its value unchanged (the
     centralised advantage of Eq. 1); cross, it is averaged over the G^(n-1) joint actions it is part of.
     """
     membership = F.one_hot(combos[:, agent], num_samples).to(joint.dtype)  # (M, G)

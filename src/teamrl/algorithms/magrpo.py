@@ -11,10 +11,11 @@ One training step for a batch of items:
    R = r + gamma * mean(R of the children) at an inner node, and a joint action early termination
    stopped at turn t is an absorbing state that keeps its reward to the horizon:
    R = r * sum_{k=0}^{T-t} gamma^k.
-3. Advantages, paper Eq. 1 (:func:`~teamrl.algorithms.advantages.group_advantages`): over the
+3. Advantages, paper Eq. 1 (:func:`~teamrl.algorithms.advantages.sample_advantages`): over the
    joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
-   gets the mean over the joint actions it is in).
+   gets the mean over the joint actions it is in; a baseline that leaves the sample out, 'rloo' or
+   'max', compares its mean return over them with its other samples').
 4. Update, paper Eq. 2 (:func:`update_agent`): each agent, with its own optimiser, maximises
    mean_g A_g * log pi_theta_i(a_i^g | o_i) over its completions of every turn, with optional PPO-style
    clipping over several passes and a KL penalty to its reference. :mod:`teamrl.algorithms.fast_update`
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from teamrl.algorithms.advantages import agent_advantages, group_advantages, joint_action_combos, tree_returns
+from teamrl.algorithms.advantages import joint_action_combos, sample_advantages, tree_returns
 from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
@@ -172,10 +173,10 @@ def advantages(tree: Rollout, num_agents: int,
                            [t.terminated for t in tree.turns], config.num_turns)
     per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
     for turn, turn_returns in zip(tree.turns, returns):
-        joint = group_advantages(turn_returns, config.advantage_estimator)  # Eq. 1, one group per expansion point
         for i in range(num_agents):
-            channel = joint[:, :, min(i, joint.shape[2] - 1)]  # the shared reward, or agent i's own
-            per_agent[i].append(agent_advantages(channel, turn.combos, i, config.num_generations).reshape(-1))
+            channel = turn_returns[:, :, min(i, turn_returns.shape[2] - 1)]  # the shared reward, or agent i's own
+            per_agent[i].append(sample_advantages(channel, turn.combos, i, config.num_generations,
+                                                  config.advantage_estimator).reshape(-1))  # Eq. 1, per point
     return per_agent, returns
 
 

@@ -15,7 +15,6 @@ import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -25,15 +24,14 @@ from pathlib import Path
 
 from teamrl.sandbox.asserts import rewrite_asserts, standard_modules_read
 from teamrl.sandbox.bubblewrap import (
-    _SYSTEM_DIRS,
     SCRATCH_DIR,
     Bubblewrap,
     SandboxUnavailableError,
-    _is_within,
     bwrap_command,
     find_bubblewrap,
+    package_dirs,
+    python_interpreter,
     python_roots,
-    site_package_dirs,
 )
 from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
 from teamrl.sandbox.limits import SandboxLimits
@@ -65,7 +63,7 @@ class SandboxError(RuntimeError):
 class _Backend:
     bwrap: Bubblewrap | None  # None: unsandboxed, by the user's explicit choice
     roots: tuple[str, ...]
-    hidden: tuple[str, ...] = ()  # site-packages directories the sandbox replaces by empty ones
+    hidden: tuple[str, ...] = ()  # site-/dist-packages directories the sandbox replaces by empty ones
     seccomp: bytes | None = None  # the system calls refused to graded code (teamrl.sandbox.seccomp)
     cgroups: CgroupFactory | None = None  # None: the memory cap is split over the processes
 
@@ -82,7 +80,7 @@ def _resolve_backend(allow_unsandboxed: bool) -> _Backend:
             "get resource limits and a clean environment only: they can read and write your files, "
             "reach the network, signal your processes and so forge their own test results.", error)
         return _Backend(None, (), cgroups=cgroups)
-    return _Backend(bwrap, roots, _hidden_dirs(roots), _seccomp_filter(bwrap), cgroups)
+    return _Backend(bwrap, roots, package_dirs(roots), _seccomp_filter(bwrap), cgroups)
 
 
 @functools.cache
@@ -92,13 +90,6 @@ def _memory_cgroups() -> CgroupFactory | None:
         _log.info("no writable memory cgroup: each sandboxed process gets total_memory_bytes / max_processes "
                   "of address space instead (see teamrl.sandbox.cgroups)")
     return factory
-
-
-def _hidden_dirs(roots: tuple[str, ...]) -> tuple[str, ...]:
-    """The site-packages directories that the sandbox would otherwise show (they lie under a bound path)."""
-    shown = tuple(os.path.realpath(path) for path in (*roots, *_SYSTEM_DIRS) if os.path.isdir(path))
-    real = dict.fromkeys(os.path.realpath(path) for path in site_package_dirs())
-    return tuple(path for path in real if any(_is_within(path, parent) for parent in shown))
 
 
 def _seccomp_filter(bwrap: Bubblewrap) -> bytes | None:
@@ -228,14 +219,15 @@ def _compiled_harness() -> str:
 
 def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_fd: int | None) -> list[str]:
     # -S: no site module, so no .pth start-up hooks of the host run in the sandbox (and start-up is
-    # several times faster), and no third-party package is importable there.
-    compiled = _compiled_harness()
+    # several times faster), and no third-party package is importable there. The interpreter is the
+    # one python_roots() binds, which find_bubblewrap() tried.
+    compiled, python = _compiled_harness(), python_interpreter()
     if backend.bwrap is None:
-        return [sys.executable, "-I", "-S", compiled, str(result_fd), "-1", "-1", "0"]
+        return [python, "-I", "-S", compiled, str(result_fd), "-1", "-1", "0"]
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if backend.bwrap.privileged else -1
     sandbox = bwrap_command(backend.bwrap, limits.scratch_bytes, backend.roots, hidden=backend.hidden,
                             seccomp_fd=seccomp_fd)
-    harness = ["--ro-bind", compiled, HARNESS_IN_SANDBOX, sys.executable, "-I", "-S", HARNESS_IN_SANDBOX]
+    harness = ["--ro-bind", compiled, HARNESS_IN_SANDBOX, python, "-I", "-S", HARNESS_IN_SANDBOX]
     return sandbox + harness + [str(result_fd), str(uid), str(uid), "1"]
 
 
