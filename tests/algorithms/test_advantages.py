@@ -168,13 +168,17 @@ def test_tree_returns_two_aligned_turns(discount, expected_turn1):
     close(turn1.squeeze(-1), [[1, 2], [0, 1]])  # inputs untouched
 
 
-def test_tree_returns_early_termination_keeps_reward_at_childless_node():
-    # Turn-1 joint actions (item0, g0), (item1, g1) terminated; only flat indices 1 and 2 were expanded.
-    turn1 = t([[[1], [2]], [[0], [1]]])
+def test_tree_returns_early_termination_makes_the_stopped_joint_actions_absorbing():
+    # Two turns, gamma = 0.5. Turn-1 joint actions (item0, g0) (reward 1) and (item1, g1) (reward 3) were
+    # stopped; the other two (flat indices 1 and 2) grew the expansion points of turn 2.
+    turn1 = t([[[1], [2]], [[0], [3]]])
     turn2 = t([[[3], [5]], [[2], [2]]])
-    out = tree_returns([turn1, turn2], [torch.arange(2), torch.tensor([1, 2])], 1.0)
-    # flat 1 = (item0, g1): 2 + mean(3, 5) = 6; flat 2 = (item1, g0): 0 + mean(2, 2) = 2; others keep r
-    close(out[0].squeeze(-1), [[1, 6], [2, 1]])
+    stopped = [torch.tensor([[True, False], [False, True]]), torch.zeros(2, 2, dtype=torch.bool)]
+    out = tree_returns([turn1, turn2], [torch.arange(2), torch.tensor([1, 2])], 0.5, stopped, num_turns=2)
+    # stopped at turn 1 of 2: r * (1 + .5) -> 1.5 and 4.5 (valued as plain leaves they would keep 1 and 3)
+    # expanded: flat 1 = (item0, g1): 2 + .5 * mean(3, 5) = 4; flat 2 = (item1, g0): 0 + .5 * mean(2, 2) = 1
+    close(out[0].squeeze(-1), [[1.5, 4], [1, 4.5]])
+    close(out[1], turn2.tolist())
 
 
 def test_absorbing_factor_counts_the_reward_once_per_remaining_turn():
