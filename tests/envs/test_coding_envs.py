@@ -11,6 +11,7 @@ import pytest
 
 from teamrl.envs import Step, make_env
 from teamrl.envs.code_extract import extract_code
+from teamrl.envs.coding import assertion_label, split_tests
 from teamrl.sandbox import SandboxUnavailableError
 from teamrl.train import Trainer
 
@@ -71,10 +72,25 @@ def test_items_hold_tests_labels_and_the_prompts_helpers(humaneval):
     first = _problem(humaneval, "HumanEval/0")
     assert first["entry_point"] == "has_close_elements" and first["parameters"] == "numbers, threshold"
     assert first["preamble"] == "from typing import List\n"
-    assert len(first["tests"]) == len(first["test_labels"]) == 7
-    assert first["test_labels"][0] == "assert has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True"
+    # 7 asserts, none of them in the prompt: every third is shown (the 3rd and 6th), the other 5 held
+    assert len(first["tests"]) == 5 and len(first["shown_tests"]) == len(first["shown_test_labels"]) == 2
+    assert first["shown_test_labels"] == ["assert has_close_elements([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True",
+                                          "assert has_close_elements([1.1, 2.2, 3.1, 4.1, 5.1], 1.0) == True"]
+    assert not set(first["tests"]) & set(first["shown_tests"])
     zero = _problem(humaneval, "HumanEval/32")
     assert "def poly(xs: list, x: float):" in zero["preamble"] and "def find_zero" not in zero["preamble"]
+
+
+def test_tests_the_problem_shows_are_never_held():
+    problem = "def f(xs, k):\n    \"\"\"\n    >>> f([1, 2], 'a')\n    3\n    \"\"\"\n"
+    labels = ["assert f([1,2], \"a\") == 3",  # the prompt's example, spaces and quotes aside
+              "assert f([1, 2], 'b') == 4", "assert f([3], 'a') == 3", "assert f([4], 'a') == 4",
+              "assert f([1, 2], 'a') + f([5], 'a') == 8",  # only one of its calls is in the prompt
+              "assert g([1, 2], 'a') == 3"]  # not a call of the entry point
+    shown, held = split_tests(labels, problem, "f")
+    assert shown == [0, 3] and held == [1, 2, 4, 5]  # public, then every third of the rest (labels 1-5)
+    assert split_tests(labels[:1], problem, "f") == ([0], [0])  # every test public: nothing else can grade
+    assert split_tests(labels[1:3], problem, "f") == ([], [0, 1])
 
 
 def test_observations_differ_per_agent_and_contain_the_prompt(humaneval):
@@ -129,7 +145,8 @@ def test_joint_actions_score_what_the_code_reward_says(humaneval):
     team, alone, garbage = humaneval.joint_rewards(
         [(item, (SORTING_AUX, MAIN_WITH_AUX), ()), (item, ("", MAIN_ALONE), ()), (item, ("hello", "world"), ())])
     assert team.total == pytest.approx(4.0) == humaneval.max_reward
-    assert team.counts["tests_passed"] == team.counts["tests_total"] == 7.0
+    assert team.counts["tests_passed"] == team.counts["tests_total"] == 5.0  # the held tests
+    assert team.counts["shown_tests_passed"] == team.counts["shown_tests_total"] == 2.0
     # main alone: structure 0.6 + syntax 0.5 + tests 1.0, no helper and no cooperation
     assert alone.total == pytest.approx(2.1)
     assert alone.parts["aux_structure"] == 0.0 and alone.parts["tests"] == 1.0
@@ -149,9 +166,10 @@ def test_a_batch_grade_is_cached_with_its_full_record(humaneval):
     item = _problem(humaneval, "HumanEval/0")
     (reward,) = humaneval.joint_rewards([(item, (SORTING_AUX, WRONG_MAIN), ())])
     grade = humaneval.grade(item, (SORTING_AUX, WRONG_MAIN))
-    assert grade.reward.total == reward.total and grade.record.total == 7
+    assert grade.reward.total == reward.total and grade.record.total == 5 and grade.shown_record.total == 2
     assert grade is humaneval.grade(item, [SORTING_AUX, WRONG_MAIN])  # no second run
-    assert [outcome.passed for outcome in grade.record.tests].count(False) == 3
+    assert [outcome.passed for outcome in grade.record.tests] == [True, False, False, True, False]
+    assert grade.reward.parts["tests"] == pytest.approx(2 / 5)
 
 
 @needs_bubblewrap
@@ -162,7 +180,7 @@ def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded
     assert results[0].total == pytest.approx(4.0) and results[-1].total == pytest.approx(2.1)
     for name, result in zip(HOSTILE_AUX, results[1:-1]):
         assert result.parts["tests"] == 0.0, name
-        assert result.counts["tests_total"] == 7.0, name
+        assert result.counts["tests_total"] == 5.0, name
     records = {name: humaneval.grade(item, (aux, CALLING_MAIN)).record for name, aux in HOSTILE_AUX.items()}
     assert records["infinite loop"].timed_out
     assert records["os._exit"].tests[0].error_type == "NoResult"
@@ -180,10 +198,10 @@ def test_individual_rewards_are_each_agents_own_parts(humaneval):
     item = _problem(humaneval, "HumanEval/0")
     batch = [(SORTING_AUX, MAIN_WITH_AUX), ("", MAIN_ALONE), ("hello", "world"), (SORTING_AUX, WRONG_MAIN)]
     rewards = humaneval.individual_rewards_many([(item, actions, ()) for actions in batch])
-    assert rewards[0] == pytest.approx([0.9, 2.1])          # helper 0.4 + 0.5 ; main 0.6 + 0.5 + 7/7
+    assert rewards[0] == pytest.approx([0.9, 2.1])          # helper 0.4 + 0.5 ; main 0.6 + 0.5 + 5/5
     assert rewards[1] == pytest.approx([0.0, 2.1])          # no aux: the helper's gate; main alone passes all
     assert rewards[2] == pytest.approx([0.0, 0.0])          # no code at all
-    assert rewards[3] == pytest.approx([0.9, 1.1 + 4 / 7])  # main passes 4 of 7 tests of the joined program
+    assert rewards[3] == pytest.approx([0.9, 1.1 + 2 / 5])  # main passes 2 of 5 held tests of the joined program
     assert humaneval.individual_rewards(item, batch[3]) == rewards[3]
 
 
@@ -228,13 +246,20 @@ def test_feedback_gives_syntax_errors_and_undefined_names_of_each_agents_own_cod
 
 
 @needs_bubblewrap
-def test_feedback_lists_failed_tests_with_expected_and_actual_values(humaneval):
+def test_feedback_details_failed_shown_tests_and_only_counts_the_held_ones(humaneval):
     item = _problem(humaneval, "HumanEval/0")
-    helper_obs, main_obs = _next(humaneval, item, (SORTING_AUX, WRONG_MAIN))
+    negated = MAIN_WITH_AUX.replace("return any(", "return not any(")
+    helper_obs, main_obs = _next(humaneval, item, (SORTING_AUX, negated))
     for observation in (helper_obs, main_obs):
-        assert ("3 of 7 tests failed:\n- assert has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False\n"
-                "  expected: False\n  actual:   True") in observation
-    assert "b - a > threshold" in main_obs and "b - a > threshold" not in helper_obs
+        assert ("Tests shown to you: 2 of 2 tests failed:\n"
+                "- assert has_close_elements([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True\n"
+                "  expected: True\n  actual:   False") in observation
+        assert "Hidden tests (they grade the team; not shown): 0 of 5 passed." in observation
+        # Nothing of a held test: neither its arguments nor its expected value.
+        for held in item["tests"]:
+            call = assertion_label(held, "has_close_elements").removeprefix("assert ").split(" == ")[0]
+            assert call not in observation
+    assert "return not any(" in main_obs and "return not any(" not in helper_obs
 
 
 def test_feedback_on_missing_functions_and_an_unused_helper(humaneval):

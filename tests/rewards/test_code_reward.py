@@ -11,9 +11,11 @@ from teamrl.envs.code_extract import extract_code, join_team_program, strip_mark
 from teamrl.rewards.code import (
     MAX_REWARD,
     CodeGrade,
+    CooperationProbe,
     analyse_team_code,
     calls_function,
     code_reward,
+    cooperation_can_pay,
     grade_team_code,
     helper_reward,
     ignores_result,
@@ -177,6 +179,14 @@ def _record(*passed: bool) -> ExecutionRecord:
                            status="completed", exit_code=0)
 
 
+def _probe(record: ExecutionRecord, contributed: tuple[int, ...] | None = None, forwarded: bool = False,
+           aux_alone: bool | None = None) -> CooperationProbe:
+    """A cooperation probe of ``record``'s passed tests; by default aux contributed to every one of them."""
+    passed = tuple(outcome.index for outcome in record.tests if outcome.passed)
+    return CooperationProbe(passed=passed, contributed=passed if contributed is None else contributed,
+                            forwarded=forwarded, aux_alone=aux_alone, stub_record=_record())
+
+
 AUX_OK = "def aux(xs):\n    return sum(xs)\n"
 AUX_SILENT = "def aux(xs):\n    print(xs)\n"
 MAIN_COOPERATES = "def entry(xs):\n    if not xs:\n        return 0\n    return aux(xs) * 2\n"
@@ -185,44 +195,70 @@ MAIN_IGNORES = "def entry(xs):\n    aux(xs)\n    return len(xs)\n"
 MAIN_ALONE = "def entry(xs):\n    return sum(xs) * 2\n"
 
 
-@pytest.mark.parametrize(("aux", "main", "passed", "parts"), [
+ALL = None  # the probe found aux behind every passing test
+
+
+@pytest.mark.parametrize(("aux", "main", "passed", "probe", "parts"), [
     # main missing: only the helper's structure counts, everything after is gated off
-    (AUX_OK, "def other(xs):\n    return 1\n", None, {"aux_structure": 0.4, "main_structure": 0.0}),
+    (AUX_OK, "def other(xs):\n    return 1\n", None, None, {"aux_structure": 0.4, "main_structure": 0.0}),
     # program does not parse (main is broken)
-    (AUX_OK, "def entry(xs):\n    return aux(xs\n", None,
+    (AUX_OK, "def entry(xs):\n    return aux(xs\n", None, None,
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.0}),
     # no aux at all, main solves 3 of 4 tests alone
-    ("", MAIN_ALONE, (True, True, True, False),
+    ("", MAIN_ALONE, (True, True, True, False), None,
      {"aux_structure": 0.0, "main_structure": 0.6, "syntax": 0.5, "tests": 0.75, "cooperation": 0.0}),
-    # full marks: aux returns, main calls it and does work of its own
-    (AUX_OK, MAIN_COOPERATES, (True, True),
+    # full marks: aux returns, every passing test depends on it, main does work of its own
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 1.0, "ignored_aux_result": 0.0}),
-    # thin wrapper: no non-wrapper bonus
-    (AUX_OK, MAIN_THIN, (True, True),
+    # the bonus scales with the share of held tests aux contributes to: 1 of 4
+    (AUX_OK, MAIN_COOPERATES, (True, True, False, False), {"contributed": (1,)},
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.125,
+      "non_wrapper": 0.25, "ignored_aux_result": 0.0}),
+    # main calls aux, but no passing test depends on it: no bonus at all
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ()},
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.0}),
+    # thin wrapper by syntax (the paper's): no non-wrapper bonus
+    (AUX_OK, MAIN_THIN, (True, True), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
-    # aux's result thrown away, half the tests pass
-    (AUX_OK, MAIN_IGNORES, (True, False),
-     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.5,
-      "non_wrapper": 1.0, "ignored_aux_result": -0.5}),
-    # no test passes: no cooperation bonus even though main calls aux
-    (AUX_OK, MAIN_COOPERATES, (False, False, False),
+    # thin by behaviour: main handed the stub's result back on every test, or aux alone passes them
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "forwarded": True},
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
+      "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "aux_alone": True},
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
+      "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
+    # a bare aux(...) statement in a main whose passing tests still depend on aux: the paper's penalty, scaled
+    (AUX_OK, MAIN_IGNORES, (True, False), {"contributed": ALL},
+     {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.25,
+      "non_wrapper": 0.5, "ignored_aux_result": -0.25}),
+    # no test passes: no cooperation bonus even though main calls aux (nothing to measure)
+    (AUX_OK, MAIN_COOPERATES, (False, False, False), None,
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.0, "cooperation": 0.0}),
     # aux returns nothing: its structure part and the cooperation bonus are lost
-    (AUX_SILENT, MAIN_COOPERATES, (True, True),
+    (AUX_SILENT, MAIN_COOPERATES, (True, True), None,
      {"aux_structure": 0.0, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.0}),
 ])
-def test_reward_parts(aux, main, passed, parts):
+def test_reward_parts(aux, main, passed, probe, parts):
     analysis = analyse_team_code(aux, main, "entry")
-    result = code_reward(analysis, _record(*passed) if passed is not None else None)
+    record = _record(*passed) if passed is not None else None
+    result = code_reward(analysis, record, _probe(record, **probe) if probe is not None else None)
     assert result.parts == pytest.approx(parts)
     assert result.total == pytest.approx(sum(parts.values()))
 
 
 def test_maximum_is_four():
-    result = code_reward(analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry"), _record(True))
+    record = _record(True)
+    result = code_reward(analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry"), record, _probe(record))
     assert result.total == pytest.approx(MAX_REWARD) == pytest.approx(4.0)
+
+
+def test_cooperation_that_can_pay_must_be_measured():
+    analysis = analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry")
+    with pytest.raises(ValueError, match="probe is required"):
+        code_reward(analysis, _record(True))
+    assert code_reward(analysis, _record(False)).parts["cooperation"] == 0.0  # nothing passed: nothing to measure
 
 
 def test_analysis_records_what_feedback_needs():
@@ -291,7 +327,8 @@ def test_main_reward_parts(aux, main, passed, main_parts):
     result = main_reward(analysis, record)
     assert result.parts == pytest.approx(main_parts)
     assert result.total == pytest.approx(sum(main_parts.values()))
-    assert individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record)))[1] == result
+    probe = _probe(record) if cooperation_can_pay(analysis, record) else None
+    assert individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record, probe)))[1] == result
 
 
 @pytest.mark.parametrize(("aux", "main"), [
@@ -307,7 +344,7 @@ def test_the_joined_program_parses_exactly_when_both_agents_own_code_does(aux, m
 def test_individual_code_rewards_are_the_helpers_then_the_mains():
     analysis = analyse_team_code(AUX_OK, MAIN_COOPERATES, "entry")
     record = _record(True, True)
-    helper, main = individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record)))
+    helper, main = individual_code_rewards(CodeGrade(analysis, record, code_reward(analysis, record, _probe(record))))
     assert helper.total == pytest.approx(0.9) and main.total == pytest.approx(2.1)
     with pytest.raises(ValueError, match="no tests"):
         main_reward(analysis, _record())
@@ -333,11 +370,56 @@ def test_grade_team_code_runs_only_what_needs_running(pool):
         entry_points=["entry"] * 3, tests=[tests] * 3, pool=pool)
     cooperative, missing, broken = grades
     assert cooperative.record.passed == 2 and cooperative.record.tests[2].actual == "10"
-    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 2 / 3 + 0.5 + 1.0)
-    assert missing.record is None and missing.reward.total == pytest.approx(0.4)
+    # entry([]) == 0 passes without aux (main's own branch): aux is behind one held test of three.
+    assert cooperative.probe.passed == (0, 1) and cooperative.probe.contributed == (0,)
+    assert not cooperative.probe.thin
+    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 2 / 3 + (0.5 + 1.0) / 3)
+    assert missing.record is None and missing.probe is None and missing.reward.total == pytest.approx(0.4)
     assert broken.record is None and broken.reward.total == pytest.approx(0.6)
 
 
 def test_grade_team_code_checks_batch_sizes(pool):
     with pytest.raises(ValueError, match="same length"):
         grade_team_code(["a"], ["b", "c"], ["entry"], [["assert True"]], pool)
+
+
+SORT_TESTS = ("assert entry([3, 1, 2]) == [1, 2, 3]", "assert entry([]) == []", "assert entry([5, 4]) == [4, 5]",
+              "assert entry([1]) == [1]")
+SORTING_AUX = "def aux(xs):\n    return sorted(xs)\n"
+# (helper, main, reward): the honest teams first, then ways to collect the cooperation bonus without aux
+# doing anything for a passing test, or with main doing nothing beyond aux. Structure and syntax are 1.5.
+COOPERATION_CASES = {
+    "aux does the core, main the rest": ("def aux(xs):\n    return sorted(xs, reverse=True)\n",
+                                         "def entry(xs):\n    return aux(xs)[::-1]\n", 4.0),
+    "correct, without aux": (SORTING_AUX, "def entry(xs):\n    return sorted(xs)\n", 2.5),
+    "aux called under if False": (SORTING_AUX,
+                                  "def entry(xs):\n    if False:\n        aux(xs)\n    return sorted(xs)\n", 2.5),
+    "a dead aux call and one passing test": (SORTING_AUX, "def entry(xs):\n    if False:\n        aux(xs)\n"
+                                             "    return []\n", 1.75),
+    "aux's result never used": (SORTING_AUX, "def entry(xs):\n    _ = aux(xs)\n    return sorted(xs)\n", 2.5),
+    "a decorator swaps the function the analysis saw": (
+        SORTING_AUX, "def _swap(function):\n    return lambda xs: sorted(xs)\n\n@_swap\ndef entry(xs):\n"
+                     "    return aux(xs)[::-1]\n", 2.5),
+    "aux's result only type-checked": ("def aux(xs):\n    return []\n", "def entry(xs):\n    r = aux(xs)\n"
+                                       "    assert isinstance(r, list)\n    return sorted(xs)\n", 2.5),
+    "aux's result only measured": (SORTING_AUX, "def entry(xs):\n    n = len(aux(xs))\n    return sorted(xs)\n",
+                                   2.5),
+    "a thin wrapper behind if True": (SORTING_AUX, "def entry(xs):\n    r = aux(xs)\n    return r if True else None\n",
+                                      3.0),
+    "... with aux's parameters not the entry point's": (
+        "def aux(xs, k):\n    return sorted(xs)\n", "def entry(xs):\n    r = aux(xs, 0)\n"
+                                                       "    return r if len(xs) >= 0 else None\n", 3.0),
+    "a wrapper that copies aux's result": (SORTING_AUX, "def entry(xs):\n    return list(aux(xs))\n", 3.0),
+    "a wrapper that validates aux's result": (SORTING_AUX, "def entry(xs):\n    r = aux(xs)\n"
+                                              "    if not isinstance(r, list):\n        raise ValueError(r)\n"
+                                              "    return r\n", 3.0),
+}
+
+
+def test_cooperation_pays_only_for_what_aux_measurably_does(pool):
+    names = list(COOPERATION_CASES)
+    grades = grade_team_code([COOPERATION_CASES[name][0] for name in names],
+                             [COOPERATION_CASES[name][1] for name in names], ["entry"] * len(names),
+                             [SORT_TESTS] * len(names), pool)
+    assert {name: round(grade.reward.total, 4) for name, grade in zip(names, grades)} \
+        == {name: case[2] for name, case in COOPERATION_CASES.items()}

@@ -103,8 +103,9 @@ def test_every_cheat_earns_no_more_than_its_honest_value(pool):
 
 
 # MBPP-style asserts lean on names the test does not define: builtins, and modules the program imported.
-MBPP_STYLE_TESTS = ["assert set(pairs(3)) == set([(1, 2), (2, 3)])", "assert sorted(pairs(4)) == [(1, 2), (2, 3), (3, 4)]",
-                    "assert abs(len(pairs(5)) - 4) < 1e-9", "assert math.isclose(len(pairs(6)), 5.0)",
+MBPP_STYLE_TESTS = ["assert set(pairs(3)) == set([(1, 2), (2, 3)])",
+                    "assert sorted(pairs(4)) == [(1, 2), (2, 3), (3, 4)]", "assert abs(len(pairs(5)) - 4) < 1e-9",
+                    "assert math.isclose(len(pairs(6)), 5.0)",
                     "assert all(isinstance(p, tuple) for p in pairs(2))"]
 # Each cheat returns a wrong answer and tries to make the test's own names answer for it.
 NAME_CHEATS = {
@@ -116,7 +117,8 @@ NAME_CHEATS = {
         "def _names(request, namespace, load_error, handles, limit):\n"
         "    reply = _answer(request, namespace, load_error, handles, limit)\n"
         "    if 'names' in reply:\n"
-        "        fakes = {name: _yes for name in ('set', 'sorted', 'abs', 'len', 'all', 'isinstance', 'AssertionError')}\n"
+        "        fakes = {name: _yes for name in ('set', 'sorted', 'abs', 'len', 'all', 'isinstance',\n"
+        "                                         'AssertionError')}\n"
         "        reply['names']['__builtins__'] = _harness.encode(fakes, handles.make)\n"
         "        reply['names']['__import__'] = _harness.encode(_yes, handles.make)\n"
         "    return reply\n"

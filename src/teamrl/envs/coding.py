@@ -19,16 +19,29 @@ Items: the records ``[start, start + limit)`` of the source become problems; ``i
 first ``eval_size`` of them and ``items("train")`` the rest, as in the paper (which evaluates on
 HumanEval test[:32], CoopHumanEval test[:16] and MBPP test[:15]). Each item is a dict: ``id``,
 ``problem`` (the text both agents read), ``entry_point``, ``parameters`` (the entry point's parameter
-list, which ``aux`` is asked to share), ``tests`` (test snippets, see :class:`teamrl.sandbox.Program`),
-``test_labels`` (what each test checks, for feedback), ``preamble`` (code the joined program starts
-with: a HumanEval prompt's imports and helper definitions such as ``poly`` in HumanEval/32, MBPP's
-``test_setup_code``) and ``reference`` (the canonical solution; None where the record has none).
+list, which ``aux`` is asked to share), ``tests`` (the *held* test snippets, which grade; see
+:class:`teamrl.sandbox.Program`), ``shown_tests`` and ``shown_test_labels`` (the tests feedback may
+reveal, and what each checks), ``preamble`` (code the joined program starts with: a HumanEval prompt's
+imports and helper definitions such as ``poly`` in HumanEval/32, MBPP's ``test_setup_code``) and
+``reference`` (the canonical solution; None where the record has none).
+
+Shown and held tests (:func:`split_tests`): a test whose every call of the entry point appears in the
+problem text is shown already (HumanEval's ``>>>`` examples; the one MBPP assert the problem text
+shows); of the others every third is shown too, and the rest are held. Feedback details only failing
+shown tests (and counts the held ones); every turn's reward, pass@k and accuracy@k come from the held
+tests alone, so hard-coding what a turn's feedback or the problem showed earns nothing the next turn.
+HumanEval: of 1,133 asserts, 298 are in the prompts and 217 more are shown, 619 are held (at least one
+a problem; HumanEval/34's only assert is in its prompt, so it is both shown and held). MBPP (3 asserts
+a problem): the first is shown by the problem text, the other two held.
 
 Reward: :func:`teamrl.rewards.code.code_reward` (max 4.0) of the helper's and the main agent's code,
-joined after the item's preamble and run against the item's tests in a bubblewrap sandbox. The pool is
+joined after the item's preamble and run against the item's held tests (then its shown ones, for
+feedback) in a bubblewrap sandbox; where cooperation can pay it is measured by running the passing
+held tests again with ``aux`` replaced (:func:`teamrl.rewards.code.measure_cooperation`). The pool is
 created on the first grading and reused; :meth:`CodingEnv.joint_rewards` grades a batch concurrently.
 The result's ``parts`` are the reward's parts; when the tests ran, its ``counts`` are ``tests_passed``
-and ``tests_total``. The full grade (analysis and sandbox record) of
+and ``tests_total`` (held tests) and ``shown_tests_passed`` and ``shown_tests_total``. The full grade
+(analysis, sandbox records, cooperation probe) of
 each joint action is kept in a bounded cache: :meth:`CodingEnv.grade` returns it. The
 independent-learner baseline's per-agent rewards
 (:func:`teamrl.rewards.code.individual_code_rewards`: the helper's own structure and syntax, the main
@@ -41,7 +54,8 @@ its code is split into the helper's part (every definition but the entry point) 
 Multi-turn (any number of turns): each agent's next observation is its first one, its own previous
 code and feedback on the last joint action: a missing or non-returning function, its syntax error
 (line, column) and undefined names (the preamble's names count as defined, and ``aux`` for the main
-agent), how main uses ``aux``, and which tests failed with expected and actual values. With
+agent), how main uses ``aux``, which shown tests failed with expected and actual values, and how many
+held tests passed. With
 ``critique`` set, an external model's review over an OpenAI-compatible API is added
 (:mod:`teamrl.feedback.critique`); if that fails the feedback is the static part alone.
 """
@@ -76,6 +90,8 @@ AUX = "aux"
 GRADE_CACHE_SIZE = 4096
 #: How much of a completion without any code is shown back to its agent.
 MAX_SHOWN_CHARS = 1500
+#: Of the tests a problem's text does not show, every SHOWN_EVERY-th is shown in feedback (split_tests).
+SHOWN_EVERY = 3
 #: Failed tests detailed in the feedback, and characters per value shown.
 MAX_FAILURES_SHOWN = 3
 MAX_VALUE_CHARS = 200
@@ -105,8 +121,10 @@ SINGLE_AGENT_ROLE = (
     "builds on its result. Reply with only the code of both functions in a single ```python block: no "
     "explanations, no examples, no tests."
 )
-#: The RewardResult counts of a joint action whose tests ran (see _with_test_counts).
+#: The RewardResult counts of a joint action whose tests ran (see _with_test_counts): its held tests, which the
+#: reward and pass@k count, and its shown tests, which only feedback uses.
 TEST_COUNTS = ("tests_passed", "tests_total")
+SHOWN_TEST_COUNTS = ("shown_tests_passed", "shown_tests_total")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,6 +207,43 @@ def assertion_label(snippet: str, entry_point: str) -> str:
     return ast.unparse(statement)
 
 
+def _compact(text: str) -> str:
+    """``text`` without whitespace and with one kind of quote: how a call is looked for in a problem text."""
+    return re.sub(r"\s+", "", text).replace('"', "'")
+
+
+def split_tests(labels: Sequence[str], problem: str, entry_point: str) -> tuple[list[int], list[int]]:
+    """(shown, held): the indices of a problem's tests that feedback may reveal, and of the ones that grade.
+
+    A test is *public* when every call of the entry point it makes appears in the problem text, as
+    ``entry_point(ARGS)`` (spaces and quote style aside): the statement already shows it (HumanEval's
+    ``>>>`` examples, MBPP's shown assert). Shown are the public tests and every third other one (the
+    3rd, 6th, ...); held are the rest, so a team that hard-codes what the problem or any feedback
+    showed earns nothing for it. A problem whose every test is public holds them all (nothing else
+    could grade it). ``labels`` are the tests as :func:`assertion_label` writes them.
+    """
+    text = _compact(problem)
+    public = []
+    for label in labels:
+        tree = safe_parse(label)
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id == entry_point] if tree is not None else []
+        public.append(bool(calls) and all(_compact(ast.unparse(call)) in text for call in calls))
+    private = [index for index, shown in enumerate(public) if not shown]
+    if not private:
+        return list(range(len(labels))), list(range(len(labels)))
+    revealed = set(private[SHOWN_EVERY - 1::SHOWN_EVERY])
+    shown = [index for index, is_public in enumerate(public) if is_public or index in revealed]
+    return shown, [index for index in private if index not in revealed]
+
+
+def _test_split(tests: Sequence[str], labels: Sequence[str], problem: str, entry_point: str) -> dict[str, Any]:
+    """The item fields of a problem's tests: ``tests`` (held), ``shown_tests`` and ``shown_test_labels``."""
+    shown, held = split_tests(labels, problem, entry_point)
+    return {"tests": [tests[index] for index in held], "shown_tests": [tests[index] for index in shown],
+            "shown_test_labels": [labels[index] for index in shown]}
+
+
 def _entry_definition(code: ExtractedCode, name: str, origin: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
     definition = code.definition(name)
     node = definition.node() if definition is not None else None
@@ -216,12 +271,12 @@ def humaneval_item(record: Mapping[str, Any], origin: str) -> Item:
     except ValueError as err:
         raise data.DataError(f"{origin}: {err}") from None
     function = _entry_definition(extract_code(prompt), entry_point, f"{origin}: its prompt")
+    problem = f"```python\n{prompt.strip()}\n```"
     return {
-        "problem": f"```python\n{prompt.strip()}\n```",
+        "problem": problem,
         "entry_point": entry_point,
         "parameters": call_parameters(function),
-        "tests": list(tests),
-        "test_labels": [assertion_label(test, entry_point) for test in tests],
+        **_test_split(tests, [assertion_label(test, entry_point) for test in tests], problem, entry_point),
         "preamble": prompt_preamble(prompt, entry_point),
         "reference": prompt + record["canonical_solution"] if "canonical_solution" in record else None,
     }
@@ -230,9 +285,10 @@ def humaneval_item(record: Mapping[str, Any], origin: str) -> Item:
 def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
     """An item from an MBPP record (``text``, ``code``, ``test_list``; optional ``test_setup_code``).
 
-    The entry point is the first function ``code`` defines that a test calls. The problem text is
-    MBPP's usual prompt: the task, then the tests the code must pass (they show the function's name
-    and any class the tests use). Raises :class:`teamrl.data.DataError` naming ``origin``.
+    The entry point is the first function ``code`` defines that a test calls. The problem text is the
+    task, then the first of its tests (which shows the function's name and how it is called); MBPP's
+    usual prompt shows them all, which would leave no test the team has not seen to grade it (see
+    :func:`split_tests`). Raises :class:`teamrl.data.DataError` naming ``origin``.
     """
     _check_tests(record["test_list"], origin)
     tests, code = list(record["test_list"]), extract_code(record["code"])
@@ -247,13 +303,12 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
         Program("", tests, setup=setup)
     except (TypeError, ValueError) as err:
         raise data.DataError(f"{origin}: unusable test_setup_code: {err}") from None
-    shown_tests = "\n".join(test.strip() for test in tests)
+    problem = f"{record['text'].strip()}\nYour code should pass this test:\n```python\n{tests[0].strip()}\n```"
     return {
-        "problem": f"{record['text'].strip()}\nYour code should pass these tests:\n```python\n{shown_tests}\n```",
+        "problem": problem,
         "entry_point": entry_point,
         "parameters": call_parameters(_entry_definition(code, entry_point, origin)),
-        "tests": tests,
-        "test_labels": [test.strip() for test in tests],
+        **_test_split(tests, [test.strip() for test in tests], problem, entry_point),
         "preamble": setup,
         "reference": record["code"],
     }
@@ -263,22 +318,28 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
 # Grading and feedback between turns
 
 
-def tests_feedback(record: ExecutionRecord, labels: Sequence[str]) -> str:
-    """The tests' outcome as feedback text.
+def tests_feedback(held: ExecutionRecord, shown: ExecutionRecord | None, labels: Sequence[str]) -> str:
+    """The tests' outcome as feedback text: the shown tests in detail, the held ones by count only.
 
-    When the program failed to load (every test failed in the ``program`` phase) one line says why;
-    otherwise :func:`teamrl.feedback.static.format_test_failures` over the tests (labelled by
-    ``labels``), with ``error`` (``Type: message``) only for failures that have no expected value.
+    When the program failed to load (every held test failed in the ``program`` phase) one line says
+    why; otherwise :func:`teamrl.feedback.static.format_test_failures` over the shown tests (labelled
+    by ``labels``), with ``error`` (``Type: message``) only for failures that have no expected value,
+    then how many held tests passed. Nothing of a held test (its call, values or error) is shown:
+    they grade the next turn.
     """
-    outcomes = record.tests
+    outcomes = held.tests
     if outcomes and all(not o.passed and o.phase == "program" for o in outcomes):
-        return (f"The team's code failed to load, so all {len(outcomes)} tests failed: "
+        return (f"The team's code failed to load, so every test failed: "
                 f"{outcomes[0].error_type}: {outcomes[0].message}")
-    return format_test_failures(
-        [{"test": labels[o.index], "passed": o.passed, "expected": o.expected, "actual": o.actual,
-          "error": None if o.passed or o.expected is not None else f"{o.error_type}: {o.message}"}
-         for o in outcomes],
-        max_failures=MAX_FAILURES_SHOWN, max_value_chars=MAX_VALUE_CHARS)
+    lines = []
+    if shown is not None:
+        lines.append("Tests shown to you: " + format_test_failures(
+            [{"test": labels[o.index], "passed": o.passed, "expected": o.expected, "actual": o.actual,
+              "error": None if o.passed or o.expected is not None else f"{o.error_type}: {o.message}"}
+             for o in shown.tests],
+            max_failures=MAX_FAILURES_SHOWN, max_value_chars=MAX_VALUE_CHARS))
+    lines.append(f"Hidden tests (they grade the team; not shown): {held.passed} of {held.total} passed.")
+    return "\n".join(lines)
 
 
 def team_feedback(item: Item, grade: CodeGrade) -> str:
@@ -290,7 +351,7 @@ def team_feedback(item: Item, grade: CodeGrade) -> str:
         # Its line numbers are the joined program's, which neither agent sees: each agent gets its own
         # code's syntax error instead (agent_feedback).
         return "Tests were not run: the team's combined code does not parse."
-    return tests_feedback(grade.record, item["test_labels"])
+    return tests_feedback(grade.record, grade.shown_record, item["shown_test_labels"])
 
 
 def agent_feedback(item: Item, grade: CodeGrade, seat: int, code: ExtractedCode) -> list[str]:
@@ -497,7 +558,8 @@ class CodingEnv(Environment):
         fresh = grade_team_code([actions[HELPER] for _, actions in pending.values()],
                                 [actions[MAIN] for _, actions in pending.values()],
                                 [item["entry_point"] for item in items], [item["tests"] for item in items],
-                                self.pool, AUX, preambles=[item["preamble"] for item in items])
+                                self.pool, AUX, preambles=[item["preamble"] for item in items],
+                                shown_tests=[item["shown_tests"] for item in items])
         grades.update(zip(pending, fresh))
         for key in keys:
             self._grades[key] = grades[key]
@@ -559,6 +621,8 @@ def _with_test_counts(grade: CodeGrade) -> RewardResult:
     if grade.record is None:
         return grade.reward
     counts = dict(zip(TEST_COUNTS, (float(grade.record.passed), float(grade.record.total))))
+    if grade.shown_record is not None:
+        counts.update(zip(SHOWN_TEST_COUNTS, (float(grade.shown_record.passed), float(grade.shown_record.total))))
     return RewardResult(grade.reward.total, grade.reward.parts, counts)
 
 

@@ -32,9 +32,10 @@ requests and encodes values) runs in the program's process, so the program can r
 the judge receives is trusted. The names a test takes from the program are checked by the judge
 (never a built-in's name, never a ``__dunder__``: the test's ``__builtins__`` is always the real
 module), the standard modules a test reads are the judge's own imports, and every value is rebuilt
-from plain data. It never sees a test's expected values: they are neither in its memory nor in its file system. The driver and
-judges are non-dumpable, so no program process can read their memory or open their descriptors
-through ``/proc``; a program that kills or stops them loses its own remaining tests, nothing more.
+from plain data. It never sees a test's expected values: they are neither in its memory nor in its
+file system. The driver and judges are non-dumpable, so no program process can read their memory or
+open their descriptors through ``/proc``; a program that kills or stops them loses its own remaining
+tests, nothing more.
 """
 
 import _socket  # not `socket`: its import slows every sandbox's start (docs/performance.md, "Grading code")
