@@ -4,6 +4,9 @@ that a run with them resumes exactly."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,14 +91,27 @@ def test_value_loss_clipped_and_unclipped_by_hand():
     torch.testing.assert_close(grad, torch.tensor([[2 * (1.0 - 0.0) / 4], [0.0]]))
 
 
-def test_whiten_and_explained_variance_by_hand():
+def test_whiten_by_hand():
     a, b = whiten([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
     scale = (2 / 3) ** 0.5
     torch.testing.assert_close(torch.cat([a, b]), torch.tensor([-1 / scale, 0.0, 1 / scale]))
-    targets = torch.tensor([[[1.0], [3.0]]])  # Var 1
-    assert explained_variance(torch.tensor([[2.0]]), targets) == pytest.approx(0.0)
-    assert explained_variance(torch.tensor([[0.0]]), targets) == pytest.approx(0.0)  # a constant shift explains nothing
-    assert explained_variance(torch.tensor([[2.0]]), torch.tensor([[[2.0], [2.0]]])) == 0.0
+
+
+def test_explained_variance_by_hand_over_several_states():
+    # Two states, two joint actions from each: targets [0, 2] and [4, 6], mean 3, Var = (9 + 1 + 1 + 9) / 4 = 5.
+    targets = torch.tensor([[[0.0], [2.0]], [[4.0], [6.0]]])
+    # V = each state's mean target (1 and 5): residuals -1, 1, -1, 1, Var 1 -> 1 - 1/5
+    assert explained_variance(torch.tensor([[1.0], [5.0]]), targets) == pytest.approx(0.8)
+    # the same values on the wrong states: residuals -5, -3, 3, 5, Var 17 -> 1 - 17/5, worse than a constant
+    assert explained_variance(torch.tensor([[5.0], [1.0]]), targets) == pytest.approx(-2.4)
+    # a constant explains nothing, wherever it sits
+    assert explained_variance(torch.tensor([[3.0], [3.0]]), targets) == pytest.approx(0.0)
+    assert explained_variance(torch.tensor([[-7.0], [-7.0]]), targets) == pytest.approx(0.0)
+    # V equal to every target of its state (the same for both joint actions; 1, 4, -2 across states) -> 1
+    exact = torch.tensor([[1.0], [4.0], [-2.0]])
+    assert explained_variance(exact, exact.unsqueeze(1).expand(3, 2, 1)) == pytest.approx(1.0)
+    # targets that do not vary: 0, not a division by zero
+    assert explained_variance(torch.tensor([[2.0], [0.0]]), torch.full((2, 2, 1), 2.0)) == 0.0
 
 
 def _record_updates(trainer):
@@ -110,50 +126,99 @@ def _record_updates(trainer):
     return calls
 
 
+# Two items of different targets, so that even the expansion points of turn 1 are different states.
+TWO_STATES_ENV = {"name": "digit_sum", "kwargs": {"targets": [4, 9], "length": 4}}
+
+
+def _randomise_value_heads(trainer) -> list:
+    """Random value heads, so that V(s) = w . h(s) + b differs from state to state (an untrained head is 0
+    everywhere, and a value read for the wrong expansion point or turn would not show). Returns frozen copies of
+    the critics as they are now, before the step updates them."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for critic in trainer.algorithm.critics:
+            head = critic.model.head
+            head.weight.copy_(0.1 * torch.randn(head.weight.shape, generator=generator))
+            head.bias.copy_(0.1 * torch.randn(head.bias.shape, generator=generator))
+    return [dataclasses.replace(critic, model=copy.deepcopy(critic.model)) for critic in trainer.algorithm.critics]
+
+
+def _values_of_every_state(trainer, frozen, tree) -> list[list[torch.Tensor]]:
+    """values[c][t]: (E_t,) critic c's V of each expansion point of turn t, one state per forward pass."""
+    return [[torch.cat([critic.values([trainer.algorithm.views(obs)[c]])[:, 0] for obs in turn.observations])
+             for turn in tree.turns] for c, critic in enumerate(frozen)]
+
+
+def _reference_gae(tree, values: list[torch.Tensor], gamma: float, lam: float) -> list[torch.Tensor]:
+    """GAE(lambda) written out over the tree, joint action by joint action: delta = r + gamma V(the point it
+    grew into; 0 where none) - V(its point), A = delta + gamma lambda mean(A of that point's joint actions)."""
+    advantages: list[torch.Tensor] = [torch.empty(0)] * len(tree.turns)
+    for t in reversed(range(len(tree.turns))):
+        rewards = tree.turns[t].rewards[..., 0]
+        points, size = rewards.shape
+        grew = {int(flat): e for e, flat in enumerate(tree.turns[t + 1].parents)} if t + 1 < len(tree.turns) else {}
+        turn_advantages = torch.zeros(points, size)
+        for e in range(points):
+            for m in range(size):
+                child = grew.get(e * size + m)
+                later = (gamma * values[t + 1][child] + gamma * lam * advantages[t + 1][child].mean()
+                         if child is not None else 0.0)
+                turn_advantages[e, m] = rewards[e, m] - values[t][e] + later
+        advantages[t] = turn_advantages
+    return advantages
+
+
 @pytest.mark.parametrize("name", ["iac", "maac"])
 @pytest.mark.parametrize("turns", [1, 2])
 def test_the_agents_learn_from_their_critics_advantage(tiny_config, name, turns):
-    trainer = Trainer(tiny_config(steps=1, items_per_step=2, algorithm={
-        "name": name, "num_generations": 4, "num_turns": turns,
-        "critic": {"value_clip": None, "normalize_advantages": False}}))
-    critics = trainer.algorithm.critics
-    baselines = [0.3, -0.2] if name == "iac" else [0.1]
-    assert [c.name for c in critics] == (["critic.first", "critic.second"] if name == "iac" else ["critic"])
-    with torch.no_grad():
-        for critic, value in zip(critics, baselines):
-            critic.model.head.bias.fill_(value)  # the head's weights start at 0: V = bias for every state
+    gamma, lam = 0.9, 0.5
+    trainer = Trainer(tiny_config(steps=1, items_per_step=2, env=TWO_STATES_ENV, algorithm={
+        "name": name, "num_generations": 4, "num_turns": turns, "discount": gamma,
+        "critic": {"gae_lambda": lam, "value_clip": None, "normalize_advantages": False}}))
+    assert [c.name for c in trainer.algorithm.critics] == (["critic.first", "critic.second"] if name == "iac"
+                                                            else ["critic"])
+    frozen = _randomise_value_heads(trainer)
     calls = _record_updates(trainer)
     metrics = trainer.train_step()
     tree = trainer._last_tree
-    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], 1.0)
-    # lambda = 1: A = R - V(s), the same R for both agents (joint reward), each agent's own critic's V (IAC)
-    # or the one critic's (MAAC).
+    values = _values_of_every_state(trainer, frozen, tree)
+    every_value = torch.cat([v for critic_values in values for v in critic_values])
+    assert every_value.unique().numel() == every_value.numel(), "every state must have a value of its own"
+    # Every agent's part of a joint action gets its critic's advantage (aligned: sample g is joint action g):
+    # IAC's agent i its own critic's, MAAC's agents the one critic's.
+    references = [_reference_gae(tree, critic_values, gamma, lam) for critic_values in values]
     for i in range(2):
-        baseline = baselines[min(i, len(baselines) - 1)]
+        reference = references[i if name == "iac" else 0]
         for t in range(turns):
-            torch.testing.assert_close(calls[0][i][t], (returns[t][..., 0] - baseline).reshape(-1))
-    # The critic's first pass: the plain squared error of V to the returns, V_old = the bias.
-    every = torch.cat([r.reshape(-1) for r in returns])
-    for critic, baseline in zip(critics, baselines):
-        assert metrics[f"{critic.name}/loss"] == pytest.approx(float(((every - baseline) ** 2).mean()), rel=1e-5)
-        assert metrics[f"{critic.name}/value_mean"] == pytest.approx(baseline)
-
+            torch.testing.assert_close(calls[0][i][t], reference[t].reshape(-1), atol=1e-5, rtol=1e-5)
+    # The critic's first pass: the plain squared error of V_old(s) to the lambda-returns y = A + V_old(s).
+    for critic, critic_values, reference in zip(trainer.algorithm.critics, values, references):
+        targets = torch.cat([(a + v.unsqueeze(1)).reshape(-1) for a, v in zip(reference, critic_values)])
+        residuals = torch.cat([a.reshape(-1) for a in reference])
+        assert metrics[f"{critic.name}/loss"] == pytest.approx(float((residuals ** 2).mean()), rel=1e-4)
+        assert metrics[f"{critic.name}/value_mean"] == pytest.approx(float(torch.cat(critic_values).mean()), abs=1e-5)
+        assert metrics[f"{critic.name}/explained_variance"] == pytest.approx(
+            1 - float(residuals.var(unbiased=False) / targets.var(unbiased=False)), abs=1e-4)
 
 
 @pytest.mark.parametrize("name", ["iac", "maac"])
 def test_by_default_each_agents_advantages_are_the_whitened_return_minus_value(tiny_config, name):
     # Whitened per agent over the step: an untrained critic (V = 0 everywhere) must not hand every sample
     # a positive advantage, which would make the first updates MAREINFORCE's.
-    trainer = Trainer(tiny_config(steps=1, items_per_step=2, algorithm={"name": name, "num_generations": 4}))
+    trainer = Trainer(tiny_config(steps=1, items_per_step=2, env=TWO_STATES_ENV,
+                                  algorithm={"name": name, "num_generations": 4}))
+    frozen = _randomise_value_heads(trainer)
     calls = _record_updates(trainer)
     trainer.train_step()
     tree = trainer._last_tree
-    returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], 1.0)
-    raw = returns[0][..., 0].reshape(-1)  # V = 0: A = R before whitening
-    assert raw.std() > 0, "the returns of the step must vary for whitening to show"
-    expected = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-8)
-    for advantages in calls[0]:
-        torch.testing.assert_close(advantages[0], expected)
+    values = _values_of_every_state(trainer, frozen, tree)
+    for i, advantages in enumerate(calls[0]):
+        (point_values,) = values[i if name == "iac" else 0]
+        raw = (tree.turns[0].rewards[..., 0] - point_values.unsqueeze(1)).reshape(-1)  # one turn, lambda = 1: R - V(s)
+        assert raw.std() > 0, "the advantages of the step must vary for whitening to show"
+        expected = (raw - raw.mean()) / (raw.std(unbiased=False) + 1e-8)
+        torch.testing.assert_close(advantages[0], expected, atol=1e-5, rtol=1e-5)
+
 
 def test_a_lora_teams_critics_are_adapters_on_its_shared_base_and_leave_the_agents_alone(tiny_config):
     trainer = Trainer(tiny_config(steps=1, team={"training": "lora", "lora": {"r": 4}},
