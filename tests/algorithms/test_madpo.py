@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 from teamrl.algorithms import magrpo
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import update_loss
-from teamrl.algorithms.preferences import preference_pairs
 from teamrl.config import AlgorithmConfig, ConfigError, DPOConfig
 from teamrl.rewards.base import RewardResult
 from teamrl.train import Trainer
@@ -52,38 +52,63 @@ def _sequence_logprobs(model, gen, temperature: float) -> torch.Tensor:
     return torch.where(gen.completion_mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=1)
 
 
-@pytest.mark.parametrize("training,fast_update,coupling", [
-    ("full", True, "joint"), ("full", False, "joint"), ("lora", True, "joint"), ("lora", False, "joint"),
-    ("full", True, "independent"),
+def _returns_by_hand(tree, gamma: float = 1.0) -> list[torch.Tensor]:
+    """Per turn, the (E, M) returns written out: R = r + gamma mean(R of the joint actions of the point it
+    grew into)."""
+    returns: list[torch.Tensor] = [torch.empty(0)] * len(tree.turns)
+    for t in reversed(range(len(tree.turns))):
+        returns[t] = tree.turns[t].rewards[..., 0].clone()
+        if t + 1 < len(tree.turns):
+            for point, flat in enumerate(tree.turns[t + 1].parents.tolist()):
+                returns[t].view(-1)[flat] += gamma * returns[t + 1][point].mean()
+    return returns
+
+
+@pytest.mark.parametrize("training,fast_update,coupling,joint_mode,turns", [
+    ("full", True, "joint", "aligned", 1), ("full", False, "joint", "aligned", 1),
+    ("lora", True, "joint", "aligned", 1), ("lora", False, "joint", "aligned", 1),
+    ("full", True, "independent", "aligned", 1), ("full", True, "joint", "cross", 1),
+    ("full", False, "joint", "aligned", 2), ("lora", True, "joint", "cross", 2),
 ])
-def test_a_step_is_gradient_descent_on_multi_agent_dpo(tiny_config, training, fast_update, coupling):
+def test_a_step_is_gradient_descent_on_multi_agent_dpo(tiny_config, training, fast_update, coupling, joint_mode, turns):
     """Against L = mean_pairs -log sigma(beta * sum_i h_i) ('joint') or sum_i mean_pairs -log sigma(beta * h_i)
-    ('independent'), h_i = log-ratio to the reference of agent i's preferred part minus its rejected part."""
+    ('independent'), h_i = log-ratio to the reference of agent i's preferred part minus its rejected part, the
+    pairs being each group's best joint action against its worst, by return, at every turn."""
+    num_samples = 4 if turns == 1 else 2  # two turns: a point per joint action, G^2 of them in cross
     team = {"training": training, **({"lora": {"r": 4}} if training == "lora" else {})}
     config = tiny_config(steps=1, items_per_step=2, team=team, optim={"fast_update": fast_update},
-                         algorithm={**MADPO, "dpo": {"beta": 0.5, "coupling": coupling}})
+                         algorithm={**MADPO, "num_generations": num_samples, "joint_mode": joint_mode,
+                                    "num_turns": turns, "dpo": {"beta": 0.5, "coupling": coupling}})
     trainer = Trainer(config)
     with torch.no_grad():  # away from the reference, so that every term of the margin counts
         for agent in trainer.team:
             for p in agent.parameters:
                 p.add_(torch.randn_like(p) * (0.3 if training == "lora" else 0.02))
     tree = magrpo.rollout(trainer.agents.sample, trainer.env, trainer.items[:2], config.algorithm, seed=5)
-    turn = tree.turns[0]
-    pairs = preference_pairs(turn.rewards[..., 0], "best_worst")
-    assert len(pairs) >= 1
-    won, lost = pairs[:, 0] * 4 + pairs[:, 1], pairs[:, 0] * 4 + pairs[:, 2]  # aligned: joint action g is row g
-    margins = []
-    for agent, gen in zip(trainer.team, turn.generations):
-        agent.activate()
-        agent.model.train()
-        policy = _sequence_logprobs(agent.model, gen, agent.sampling.temperature)
-        with torch.no_grad(), agent.reference() as reference:
-            frozen = _sequence_logprobs(reference, gen, agent.sampling.temperature)
-        agent.activate()
-        agent.model.eval()
-        ratio = policy - frozen
-        margins.append(ratio[won] - ratio[lost])
-    h = torch.stack(margins)
+    # parts[m, i]: the sample agent i plays in joint action m; aligned its m-th, cross every pairing in order
+    parts = (torch.arange(num_samples).unsqueeze(1).repeat(1, 2) if joint_mode == "aligned"
+             else torch.tensor(list(itertools.product(range(num_samples), repeat=2))))
+    turn_margins = []
+    for turn, returns in zip(tree.turns, _returns_by_hand(tree)):
+        groups = torch.arange(len(returns))
+        best, worst = returns.argmax(dim=1), returns.argmin(dim=1)
+        paired = returns[groups, best] > returns[groups, worst]  # a tied group carries no preference
+        groups, best, worst = groups[paired], best[paired], worst[paired]
+        margins = []
+        for i, (agent, gen) in enumerate(zip(trainer.team, turn.generations)):
+            won, lost = groups * num_samples + parts[best, i], groups * num_samples + parts[worst, i]
+            agent.activate()
+            agent.model.train()
+            policy = _sequence_logprobs(agent.model, gen, agent.sampling.temperature)
+            with torch.no_grad(), agent.reference() as reference:
+                frozen = _sequence_logprobs(reference, gen, agent.sampling.temperature)
+            agent.activate()
+            agent.model.eval()
+            ratio = policy - frozen
+            margins.append(ratio[won] - ratio[lost])
+        turn_margins.append(torch.stack(margins))
+    assert all(m.shape[1] >= 1 for m in turn_margins), "every turn must give pairs"
+    h = torch.cat(turn_margins, dim=1)
     for agent in trainer.team:  # activating an adapter stops the others' gradients; their graphs are built
         for p in agent.parameters:
             p.requires_grad_(True)
@@ -97,7 +122,7 @@ def test_a_step_is_gradient_descent_on_multi_agent_dpo(tiny_config, training, fa
     lr = 0.01
     _sgd_backend(trainer, lr)
     metrics = trainer.algorithm.learn(tree, trainer.agents, [1, 2])
-    assert metrics["preference/pairs"] == len(pairs)
+    assert metrics["preference/pairs"] == h.shape[1]
     assert metrics["dpo/loss"] == pytest.approx(-F.logsigmoid(0.5 * team_margin).mean().item(), rel=1e-4)
     for agent, start, grads, objective in zip(trainer.team, before, expected, objectives):
         for after, p0, grad in zip(agent.parameters, start, grads):
@@ -112,15 +137,6 @@ def test_tied_groups_give_no_pairs_and_no_update(tiny_config, monkeypatch):
     metrics = trainer.train_step()
     assert metrics["preference/pairs"] == 0 and metrics["loss"] == 0.0
     assert all(torch.equal(p, b) for p, b in zip((p for a in trainer.team for p in a.parameters), before))
-
-
-def test_two_turns_pair_siblings_at_both_turns(tiny_config):
-    trainer = Trainer(tiny_config(steps=1, items_per_step=1, algorithm={**MADPO, "num_turns": 2}))
-    metrics = trainer.train_step()
-    # One item: one turn-1 group, and its 4 joint actions 4 turn-2 groups, each giving at most one best/worst
-    # pair: more than one pair means turn 2 paired too.
-    assert metrics["preference/pairs"] > 1
-    assert metrics["first/tokens"] > 0 and metrics["second/tokens"] > 0
 
 
 @pytest.mark.parametrize("override,field", [
