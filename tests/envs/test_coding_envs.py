@@ -91,6 +91,9 @@ def test_tests_the_problem_shows_are_never_held():
     assert shown == [0, 3] and held == [1, 2, 4, 5]  # public, then every third of the rest (labels 1-5)
     assert split_tests(labels[:1], problem, "f") == ([0], [0])  # every test public: nothing else can grade
     assert split_tests(labels[1:3], problem, "f") == ([], [0, 1])
+    # A test that only repeats a shown test's call is shown too (its answer was in the feedback).
+    repeats = [*labels[1:4], "assert f([4], 'a') > 0", "assert f([7], 'a') == 7"]
+    assert split_tests(repeats, problem, "f") == ([2, 3], [0, 1, 4])
 
 
 def test_observations_differ_per_agent_and_contain_the_prompt(humaneval):

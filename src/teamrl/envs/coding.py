@@ -30,9 +30,9 @@ problem text is shown already (HumanEval's ``>>>`` examples; the one MBPP assert
 shows); of the others every third is shown too, and the rest are held. Feedback details only failing
 shown tests (and counts the held ones); every turn's reward, pass@k and accuracy@k come from the held
 tests alone, so hard-coding what a turn's feedback or the problem showed earns nothing the next turn.
-HumanEval: of 1,133 asserts, 298 are in the prompts and 217 more are shown, 619 are held (at least one
-a problem; HumanEval/34's only assert is in its prompt, so it is both shown and held). MBPP (3 asserts
-a problem): the first is shown by the problem text, the other two held.
+HumanEval: of 1,133 asserts, 516 are shown (298 of them are in the prompts) and 618 held, at least one
+a problem (HumanEval/34's only assert is in its prompt, so it is both). MBPP (3 asserts a problem): the
+first is shown by the problem text, the other two held.
 
 Reward: :func:`teamrl.rewards.code.code_reward` (max 4.0) of the helper's and the main agent's code,
 joined after the item's preamble and run against the item's held tests (then its shown ones, for
@@ -217,24 +217,28 @@ def split_tests(labels: Sequence[str], problem: str, entry_point: str) -> tuple[
 
     A test is *public* when every call of the entry point it makes appears in the problem text, as
     ``entry_point(ARGS)`` (spaces and quote style aside): the statement already shows it (HumanEval's
-    ``>>>`` examples, MBPP's shown assert). Shown are the public tests and every third other one (the
-    3rd, 6th, ...); held are the rest, so a team that hard-codes what the problem or any feedback
-    showed earns nothing for it. A problem whose every test is public holds them all (nothing else
-    could grade it). ``labels`` are the tests as :func:`assertion_label` writes them.
+    ``>>>`` examples, MBPP's shown assert). Shown are the public tests, every third other one (the 3rd,
+    6th, ...) and any test that only repeats calls of those; held are the rest, so a team that
+    hard-codes what the problem or any feedback showed earns nothing for it. A problem whose every test
+    is public holds them all (nothing else could grade it). ``labels`` are the tests as
+    :func:`assertion_label` writes them.
     """
     text = _compact(problem)
-    public = []
+    calls = []
     for label in labels:
         tree = safe_parse(label)
-        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                 and node.func.id == entry_point] if tree is not None else []
-        public.append(bool(calls) and all(_compact(ast.unparse(call)) in text for call in calls))
-    private = [index for index, shown in enumerate(public) if not shown]
+        calls.append({_compact(ast.unparse(node)) for node in (ast.walk(tree) if tree is not None else ())
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == entry_point})
+    public = [bool(made) and all(call in text for call in made) for made in calls]
+    private = [index for index, is_public in enumerate(public) if not is_public]
     if not private:
         return list(range(len(labels))), list(range(len(labels)))
     revealed = set(private[SHOWN_EVERY - 1::SHOWN_EVERY])
-    shown = [index for index, is_public in enumerate(public) if is_public or index in revealed]
-    return shown, [index for index in private if index not in revealed]
+    seen = set().union(*(calls[index] for index in revealed)) if revealed else set()
+    shown = [index for index, is_public in enumerate(public)
+             if is_public or index in revealed or (calls[index] and calls[index] <= seen)]
+    held = [index for index in private if index not in shown]
+    return (shown, held) if held else (shown, private)
 
 
 def _test_split(tests: Sequence[str], labels: Sequence[str], problem: str, entry_point: str) -> dict[str, Any]:
