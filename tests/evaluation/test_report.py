@@ -134,7 +134,9 @@ def test_the_html_report_is_self_contained_and_escapes_model_text(tiny_eval, wri
 def test_coding_results_add_pass_at_k_the_schemes_table_and_plot(tmp_path):
     results = code_results()
     text = render_markdown(results)
-    assert "| pass@1 | acc@1 | Tests passed |" in text and "## Cooperation schemes (fraction of joint actions)" in text
+    assert "| pass@1 | acc@1 | Held tests passed |" in text
+    assert "## Cooperation schemes (fraction of joint actions)" in text
+    assert "## Results (pass@k, acc@k and tests passed count each problem's held tests" in text
     assert "| " + " | ".join(SCHEMES) + " |" in text
     # normalised return 3.5 / 4, mean reward 3.5 (std 0), every test passed: pass@1 = acc@1 = 1
     assert "| naive concatenation (untrained team) | 0.875 | 3.500 | 0.000 | 1.000 | 1.000 | 1.000 |" in text

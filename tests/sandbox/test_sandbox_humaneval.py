@@ -86,7 +86,8 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems, humaneval_pool):
         aux_completions=([""] * n + [split[0] for split in splits] + [split[3] for split in splits]
                          + [aux for aux, _ in wrong]),
         main_completions=([row["prompt"] + row["canonical_solution"] for row in problems]
-                          + [split[1] for split in splits] + [split[4] for split in splits] + [main for _, main in wrong]),
+                          + [split[1] for split in splits] + [split[4] for split in splits]
+                          + [main for _, main in wrong]),
         entry_points=entry_points * 4, tests=tests * 4, pool=humaneval_pool)
     whole, split, boxed, wrong_grades = grades[:n], grades[n:2 * n], grades[2 * n:3 * n], grades[3 * n:]
 

@@ -85,7 +85,7 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
     ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
     ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
     and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
-    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's tests a
+    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's held tests a
     joint action passes) and ``scheme/NAME`` (the fraction of joint actions in each cooperation scheme).
     """
     totals = [reward.total for reward in rewards]

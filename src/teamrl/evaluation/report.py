@@ -55,7 +55,7 @@ def main_columns(results: EvalResults) -> list[Column]:
     if results.is_code:
         columns += [Column(f"pass@{k}", f"pass@{k}") for k in results.ks]
         columns += [Column(f"acc@{k}", f"accuracy@{k}") for k in results.ks]
-        columns.append(Column("Tests passed", "tests_passed"))
+        columns.append(Column("Held tests passed", "tests_passed"))
     return columns + [Column("Tokens/answer", "tokens_per_answer", ".1f"),
                       Column("s/answer", "seconds_per_answer", ".2f"), Column("Tokens/s", "tokens_per_s", ".1f")]
 
@@ -69,7 +69,9 @@ def _prefixed_columns(results: EvalResults, prefix: str) -> list[Column]:
 def tables(results: EvalResults) -> list[tuple[str, list[Column]]]:
     """(title, columns) of each table: the results, the reward per level, what the environment counted and,
     for code, the schemes. Tables without a column (a reward with no parts) are left out."""
-    sections = [("Results", main_columns(results)),
+    results_title = "Results (pass@k, acc@k and tests passed count each problem's held tests, which no feedback " \
+        "shows)" if results.is_code else "Results"
+    sections = [(results_title, main_columns(results)),
                 (f"Mean reward per level (max total {results.max_reward:g})", _prefixed_columns(results, "level/")),
                 ("Mean counts per joint action (not part of the reward)", _prefixed_columns(results, "count/"))]
     if results.is_code:
