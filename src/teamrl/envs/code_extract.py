@@ -21,6 +21,9 @@ Rules, in order:
    program's syntax check fails on it.
 4. Duplicates: of several definitions of one name, the last one that parses on its own wins; if
    none parses, the last one.
+
+"Parses" means :func:`teamrl.feedback.static.parse_code` accepts it: code too long or too deeply
+nested to analyse counts as not parsing, and no block of a code text too long to analyse is parsed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import ast
 import re
 import textwrap
 from dataclasses import dataclass
+
+from teamrl.feedback.static import MAX_SOURCE_CHARS, UnanalysableCode, parse_code, source_lines
 
 _FENCE = re.compile(r"^\s*```+\s*([\w+-]*)")
 _PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
@@ -76,10 +81,11 @@ class ExtractedCode:
 
 
 def safe_parse(source: str) -> ast.Module | None:
-    """``ast.parse`` that returns None instead of raising on any source a model can produce."""
+    """The tree of ``source``, or None where :func:`teamrl.feedback.static.parse_code` raises: it does
+    not parse, or it is too long or too deeply nested to analyse."""
     try:
-        return ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL bytes
+        return parse_code(source)
+    except (SyntaxError, UnanalysableCode):
         return None
 
 
@@ -144,7 +150,7 @@ def _lexical_blocks(code: str) -> list[tuple[str | None, str, str]]:
 
 
 def _ast_blocks(code: str, tree: ast.Module) -> list[tuple[str | None, str, str]]:
-    lines = code.splitlines()
+    lines = source_lines(code)  # numbered as the tree's line numbers count
     blocks: list[tuple[str | None, str, str]] = []
     for node in tree.body:
         start = min([node.lineno] + [decorator.lineno for decorator in getattr(node, "decorator_list", [])])
@@ -165,10 +171,12 @@ def extract_code(completion: str) -> ExtractedCode:
     code = strip_markdown(completion)
     tree = safe_parse(code)
     blocks = _ast_blocks(code, tree) if tree is not None else _lexical_blocks(code)
+    # Parsing every block of a text too long to analyse would cost as much as parsing it whole.
+    analysable = len(code) <= MAX_SOURCE_CHARS
     imports: list[str] = []
     chosen: dict[str, tuple[int, Definition]] = {}
     for position, (name, kind, source) in enumerate(blocks):
-        parses = tree is not None or safe_parse(source) is not None
+        parses = tree is not None or (analysable and safe_parse(source) is not None)
         if name is None:
             if parses and source not in imports:
                 imports.append(source)

@@ -11,6 +11,14 @@ Three producers, all pure functions:
 :func:`analyze_code` runs the first two and returns a :class:`StaticReport`; every finding has a
 ``to_text()`` giving the feedback an agent reads. Lines and columns are 1-based, as in Python's own
 tracebacks and in editors, and columns count characters (not UTF-8 bytes).
+
+The text is a model's and may be hostile. :func:`parse_code` is the one way model text is parsed
+(here, in :mod:`teamrl.envs.code_extract` and in the code reward): every way it can fail is a
+:class:`SyntaxError` or an :class:`UnanalysableCode`, and text longer than :data:`MAX_SOURCE_CHARS`
+or nested deeper than :data:`MAX_TREE_DEPTH` is refused before it can cost seconds, crash the
+interpreter or exhaust the recursion limit of a walk over its tree. :func:`check_syntax` and
+:func:`analyze_code` never raise on any ``str``: what stops the analysis is an
+:class:`AnalysisFailure` they return.
 """
 
 from __future__ import annotations
@@ -34,6 +42,18 @@ MODULE_NAMES: frozenset[str] = frozenset(dir(builtins)) | {
 CLASS_BODY_NAMES: frozenset[str] = frozenset({"__module__", "__qualname__"})
 #: The implicit cell of methods (what zero-argument ``super()`` uses).
 METHOD_NAMES: frozenset[str] = frozenset({"__class__"})
+
+#: Longest text parsed or compiled, in characters. CPython 3.11 takes superlinear time on some
+#: constructs (compiling a call with 10,000 keyword arguments takes seconds, parsing an f-string with
+#: 30,000 replacement fields too) and compiling a comprehension with ~40,000 ``for`` clauses overflows
+#: the C stack (a segfault). Under this bound each parse or compile takes a fraction of a second (a
+#: turn's feedback parses the same text several times) and nothing crashes, even with a raised
+#: recursion limit. Completions are far shorter: the presets' 256 tokens are ~1,000 characters.
+MAX_SOURCE_CHARS = 20_000
+#: Deepest syntax tree analysed, in nodes from the module down. HumanEval's canonical solutions reach
+#: 20; the bound keeps every recursive walk of a tree (``ast.NodeVisitor``, ``ast.unparse``,
+#: ``copy.deepcopy``, the scope builder below) well within Python's default recursion limit.
+MAX_TREE_DEPTH = 100
 
 #: How many failed tests :func:`format_test_failures` details before summarising the rest.
 DEFAULT_MAX_FAILURES = 5
@@ -85,23 +105,52 @@ class UndefinedName:
 
 
 @dataclass(frozen=True)
+class AnalysisFailure:
+    """Why code was not analysed at all.
+
+    ``kind`` is the exception Python's parser or compiler raised on it other than a syntax error
+    (``RecursionError``, ``MemoryError``: nested too deeply for them), or ``TooLong`` / ``TooDeep``
+    for code beyond :data:`MAX_SOURCE_CHARS` / :data:`MAX_TREE_DEPTH`; ``detail`` says more.
+    """
+
+    kind: str
+    detail: str
+
+    def to_text(self) -> str:
+        """``"The code could not be analysed: <kind> (<detail>)."``"""
+        return f"The code could not be analysed: {self.kind} ({self.detail})."
+
+
+class UnanalysableCode(ValueError):
+    """Raised by :func:`parse_code` (and so :func:`find_undefined_names`) for code it does not analyse."""
+
+    def __init__(self, failure: AnalysisFailure) -> None:
+        super().__init__(failure.to_text())
+        self.failure = failure
+
+
+@dataclass(frozen=True)
 class StaticReport:
     """What static analysis found in one piece of code.
 
-    ``syntax_error`` is None when the code compiles; ``undefined_names`` is empty when it does not
-    (an unparsable program has no scopes to analyse).
+    ``failure`` is why the code was not analysed (then nothing else is set); ``syntax_error`` is None
+    when the code compiles; ``undefined_names`` is empty when it does not (an unparsable program has
+    no scopes to analyse).
     """
 
     syntax_error: SyntaxIssue | None = None
     undefined_names: tuple[UndefinedName, ...] = field(default_factory=tuple)
+    failure: AnalysisFailure | None = None
 
     @property
     def ok(self) -> bool:
-        """True when nothing was found."""
-        return self.syntax_error is None and not self.undefined_names
+        """True when the code was analysed and nothing was found."""
+        return self.failure is None and self.syntax_error is None and not self.undefined_names
 
     def to_text(self) -> str:
         """The findings as feedback text, one per line; a one-line all-clear when there are none."""
+        if self.failure is not None:
+            return self.failure.to_text()
         if self.syntax_error is not None:
             return self.syntax_error.to_text()
         if not self.undefined_names:
@@ -111,13 +160,74 @@ class StaticReport:
         )
 
 
-def check_syntax(source: str, filename: str = "<agent>") -> SyntaxIssue | None:
+_NESTED = "nested too deeply for Python's parser and compiler"
+
+
+def _length_failure(source: str) -> AnalysisFailure | None:
+    if len(source) <= MAX_SOURCE_CHARS:
+        return None
+    return AnalysisFailure("TooLong", f"{len(source):,} characters; code longer than {MAX_SOURCE_CHARS:,} "
+                                      "is not analysed")
+
+
+def _too_deep(tree: ast.AST) -> bool:
+    # Level by level, not recursively: a recursive walk is what the bound protects, and would fail on
+    # the trees it refuses. Reading _fields directly is ~4x faster than ast.iter_child_nodes, and this
+    # runs on every parse.
+    level = [tree]
+    for _ in range(MAX_TREE_DEPTH):
+        children = []
+        for node in level:
+            for name in node._fields:
+                value = getattr(node, name, None)
+                if isinstance(value, list):
+                    children.extend(value)
+                elif isinstance(value, ast.AST):
+                    children.append(value)
+        level = [child for child in children if isinstance(child, ast.AST)]
+        if not level:
+            return False
+    return True
+
+
+def parse_code(source: str) -> ast.Module:
+    """``ast.parse(source)`` for model-written text, failing only in the two ways documented here.
+
+    Raises:
+        SyntaxError: ``source`` does not parse; also for a NUL byte or a lone surrogate, which
+            Python 3.11 reports as ValueError (no source file can hold them).
+        UnanalysableCode: ``source`` is longer than :data:`MAX_SOURCE_CHARS`, its tree is deeper than
+            :data:`MAX_TREE_DEPTH`, or the parser gave up on its nesting (RecursionError, MemoryError).
+    """
+    too_long = _length_failure(source)
+    if too_long is not None:
+        raise UnanalysableCode(too_long)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
+    except ValueError as error:  # includes UnicodeEncodeError
+        raise SyntaxError(str(error)) from None
+    except (RecursionError, MemoryError) as error:
+        raise UnanalysableCode(AnalysisFailure(type(error).__name__, _NESTED)) from None
+    if _too_deep(tree):
+        raise UnanalysableCode(AnalysisFailure(
+            "TooDeep", f"its syntax tree is more than {MAX_TREE_DEPTH} levels deep"))
+    return tree
+
+
+def check_syntax(source: str, filename: str = "<agent>") -> SyntaxIssue | AnalysisFailure | None:
     """The first error ``compile(source, filename, "exec")`` raises, or None when it compiles.
 
     Compiling (not just ``ast.parse``) also catches errors found while building symbol tables:
     ``'return' outside function``, ``no binding for nonlocal 'x' found``, ``'await' outside async
-    function``... Nothing is executed, and compile-time warnings are silenced.
+    function``... Nothing is executed, and compile-time warnings are silenced. Code longer than
+    :data:`MAX_SOURCE_CHARS` is not compiled, and code nested too deeply for the compiler is not
+    a syntax error: both give an :class:`AnalysisFailure`.
     """
+    too_long = _length_failure(source)
+    if too_long is not None:
+        return too_long
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -131,19 +241,23 @@ def check_syntax(source: str, filename: str = "<agent>") -> SyntaxIssue | None:
             text=_source_line(source, error.lineno, fallback=error.text or ""),
         )
     except ValueError as error:
-        # Python 3.11 reports NUL bytes in the source as ValueError, 3.12 as SyntaxError.
+        # Python 3.11 reports NUL bytes in the source as ValueError, 3.12 as SyntaxError; a lone
+        # surrogate (UnicodeEncodeError) cannot be in a source file either.
         return SyntaxIssue(kind="SyntaxError", message=str(error), line=None, column=None, text="")
+    except (RecursionError, MemoryError) as error:
+        return AnalysisFailure(type(error).__name__, _NESTED)
     return None
 
 
-def _lines(source: str) -> list[str]:
+def source_lines(source: str) -> list[str]:
+    """``source``'s lines as Python numbers them (what ``lineno`` in its AST and errors counts)."""
     # Python's line breaks only: str.splitlines() also splits on form feeds, U+2028 and others,
     # which would shift line numbers.
     return re.split(r"\r\n?|\n", source)
 
 
 def _source_line(source: str, lineno: int | None, fallback: str) -> str:
-    lines = _lines(source)
+    lines = source_lines(source)
     if lineno is not None and 1 <= lineno <= len(lines):
         return lines[lineno - 1]
     return fallback.rstrip("\r\n")
@@ -367,11 +481,10 @@ def find_undefined_names(source: str, known_names: Iterable[str] = ()) -> list[U
     name bound anywhere in a visible scope counts as defined, even where the read comes first. After
     ``from m import *`` no module-level name is reported. Names made at run time (``globals()[...] = ``,
     ``exec``) are not seen. Findings are sorted by position.
-    Raises ``SyntaxError`` when ``source`` does not parse.
+    Raises what :func:`parse_code` raises: ``SyntaxError`` when ``source`` does not parse,
+    :class:`UnanalysableCode` when it is too long or too deeply nested to analyse.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tree = ast.parse(source)
+    tree = parse_code(source)
     builder = _ScopeBuilder(tree)
     _bind(builder.scopes, builder.module)
     module_defined = (
@@ -379,7 +492,7 @@ def find_undefined_names(source: str, known_names: Iterable[str] = ()) -> list[U
         if builder.star_import
         else frozenset(builder.module.bound) | MODULE_NAMES | frozenset(known_names)
     )
-    lines = _lines(source)
+    lines = source_lines(source)
     first_reads: dict[str, ast.Name] = {}
     for scope in builder.scopes:
         for read in scope.reads:
@@ -405,11 +518,21 @@ def _char_column(lines: list[str], lineno: int, byte_offset: int) -> int:
 
 
 def analyze_code(source: str, known_names: Iterable[str] = ()) -> StaticReport:
-    """:func:`check_syntax`, then (only if it compiles) :func:`find_undefined_names`."""
-    syntax_error = check_syntax(source)
-    if syntax_error is not None:
-        return StaticReport(syntax_error=syntax_error)
-    return StaticReport(undefined_names=tuple(find_undefined_names(source, known_names)))
+    """:func:`check_syntax`, then (only if it compiles) :func:`find_undefined_names`; never raises.
+
+    Code that cannot be analysed (too long, or nested too deeply for Python's compiler or for
+    :data:`MAX_TREE_DEPTH`) gives a report with only its ``failure``.
+    """
+    issue = check_syntax(source)
+    if isinstance(issue, AnalysisFailure):
+        return StaticReport(failure=issue)
+    if issue is not None:
+        return StaticReport(syntax_error=issue)
+    try:
+        names = find_undefined_names(source, known_names)
+    except UnanalysableCode as error:
+        return StaticReport(failure=error.failure)
+    return StaticReport(undefined_names=tuple(names))
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from teamrl.envs.code_extract import Definition, ExtractedCode, extract_code, join_team_program
+from teamrl.feedback.static import UnanalysableCode, parse_code
 from teamrl.rewards.base import RewardResult
 from teamrl.sandbox import ExecutionRecord, Program, SandboxPool, TestOutcome
 
@@ -400,12 +401,15 @@ def probe_programs(aux_code: ExtractedCode, main_code: ExtractedCode, entry_poin
 
 
 def _syntax_error(program: str) -> str | None:
+    """Why ``program`` does not parse, or None; code too long or too deeply nested to analyse
+    (:func:`teamrl.feedback.static.parse_code`) does not parse either."""
     try:
-        ast.parse(program)
+        parse_code(program)
     except SyntaxError as error:
-        return f"line {error.lineno}, column {error.offset}: {error.msg}"
-    except (ValueError, RecursionError, MemoryError) as error:
-        return f"{type(error).__name__}: {error}"
+        where = f"line {error.lineno}, column {error.offset}: " if error.lineno is not None else ""
+        return where + error.msg
+    except UnanalysableCode as error:
+        return error.failure.to_text()
     return None
 
 
