@@ -66,6 +66,7 @@ import ast
 import gzip
 import importlib.util
 import json
+import logging
 import re
 from abc import abstractmethod
 from collections import OrderedDict
@@ -390,6 +391,29 @@ def agent_feedback(item: Item, grade: CodeGrade, seat: int, code: ExtractedCode)
     return lines
 
 
+#: What Python's parser, compiler, codecs and recursive walks raise on hostile text (deep nesting, NUL
+#: bytes, lone surrogates...). A feedback producer raising anything else has a bug, which propagates.
+_HOSTILE_TEXT_ERRORS = (RecursionError, MemoryError, SyntaxError, ValueError)
+_feedback_log = logging.getLogger("teamrl.feedback")
+
+
+def analysed_feedback(item: Item, grade: CodeGrade, seat: int, completion: str) -> tuple[ExtractedCode, list[str]]:
+    """An agent's code extracted from its completion and :func:`agent_feedback` on it.
+
+    The producers are meant never to raise on any text; should one still fail on a completion the way
+    hostile text makes Python fail, the findings are one line saying the analysis failed and why (and a
+    warning with the traceback is logged) rather than one sample ending a training run.
+    """
+    try:
+        code = extract_code(completion)
+        return code, agent_feedback(item, grade, seat, code)
+    except _HOSTILE_TEXT_ERRORS as error:
+        _feedback_log.warning("feedback on seat %d's completion failed: %s", seat, type(error).__name__,
+                              exc_info=True)
+        return ExtractedCode(imports=(), definitions=()), [
+            f"Your code could not be analysed: {type(error).__name__} ({str(error)[:MAX_VALUE_CHARS]})."]
+
+
 def shown_answer(completion: str, code: ExtractedCode) -> str:
     """An agent's previous answer as shown back to it: the code that counted (what line numbers in the
     feedback refer to), or, when none was found, the start of the completion itself."""
@@ -602,8 +626,8 @@ class CodingEnv(Environment):
         actions = history[-1].actions
         grade = self.grade(item, actions)
         team = team_feedback(item, grade)
-        codes = [extract_code(action) for action in actions]
-        findings = [agent_feedback(item, grade, seat, code) for seat, code in enumerate(codes)]
+        analysed = [analysed_feedback(item, grade, seat, action) for seat, action in enumerate(actions)]
+        codes, findings = [code for code, _ in analysed], [lines for _, lines in analysed]
         critique = None
         if self.critic is not None:
             labelled = [f"{who}'s code: {line}"
