@@ -228,8 +228,9 @@ def split_tests(labels: Sequence[str], problem: str, entry_point: str) -> tuple[
     calls = []
     for label in labels:
         tree = safe_parse(label)
-        calls.append({_compact(ast.unparse(node)) for node in (ast.walk(tree) if tree is not None else ())
-                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == entry_point})
+        nodes = ast.walk(tree) if tree is not None else ()
+        calls.append({_compact(ast.unparse(node)) for node in nodes if isinstance(node, ast.Call)
+                      and isinstance(node.func, ast.Name) and node.func.id == entry_point})
     public = [bool(made) and all(call in text for call in made) for made in calls]
     private = [index for index, is_public in enumerate(public) if not is_public]
     if not private:
