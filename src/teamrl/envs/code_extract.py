@@ -4,8 +4,15 @@ A completion is what a model wrote: possibly markdown with fenced code, chatter 
 usage examples, a definition written twice (the second time fixed, or cut off by the token limit).
 ``extract_code`` keeps only what a program needs from it: ``import`` statements and top-level
 function and class definitions. Everything else at the top level (prose, prints, example calls,
-asserts, ``if __name__ == "__main__":`` blocks, module constants) is dropped, so running the joined
-program does nothing but define things.
+asserts, ``if __name__ == "__main__":`` blocks, module constants) is dropped.
+
+Loading the joined program still runs code, and not only the imports: a definition evaluates its
+decorators, its parameters' default values and annotations when it is defined, and a class runs its
+body. That is deliberate (``@functools.cache`` and ``def f(xs, seen=None)`` are ordinary code) and
+safe, because loading is just another call into the program: it happens in the sandbox, in the
+program's own process, which holds no test and whose every message the judge checks
+(:mod:`teamrl.sandbox._harness`). What the dropping buys is that example calls and prints the model
+wrote around its code do not run at every test; it is not a security boundary.
 
 Rules, in order:
 
