@@ -55,8 +55,10 @@ Multi-turn (any number of turns): each agent's next observation is its first one
 code and feedback on the last joint action: a missing or non-returning function, its syntax error
 (line, column) and undefined names (the preamble's names count as defined, and ``aux`` for the main
 agent), how main uses ``aux``, which shown tests failed with expected and actual values, and how many
-held tests passed. With
-``critique`` set, an external model's review over an OpenAI-compatible API is added
+held tests passed. Code too long or too deeply nested to analyse gets a line saying so
+(:func:`teamrl.feedback.static.parse_code`), and a producer that still fails on a completion leaves a
+line naming the error (:func:`analysed_feedback`): no completion ends a rollout. With ``critique``
+set, an external model's review over an OpenAI-compatible API is added
 (:mod:`teamrl.feedback.critique`); if that fails the feedback is the static part alone.
 """
 

@@ -1,6 +1,7 @@
 """teamrl.feedback."""
 
 from teamrl.feedback.static import (
+    AnalysisFailure,
     StaticReport,
     SyntaxIssue,
     UndefinedName,
@@ -8,9 +9,11 @@ from teamrl.feedback.static import (
     check_syntax,
     find_undefined_names,
     format_test_failures,
+    parse_code,
 )
 
 __all__ = [
+    "AnalysisFailure",
     "StaticReport",
     "SyntaxIssue",
     "UndefinedName",
@@ -18,4 +21,5 @@ __all__ = [
     "check_syntax",
     "find_undefined_names",
     "format_test_failures",
+    "parse_code",
 ]
