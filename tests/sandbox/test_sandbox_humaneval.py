@@ -237,9 +237,9 @@ COOPERATION_CHEATS = {
 
 @pytest.mark.parametrize("cheat", list(COOPERATION_CHEATS))
 def test_cooperation_bonus_pays_nothing_for_an_aux_that_does_nothing(problems, humaneval_pool, cheat):
-    """The first 40 problems, aux the canonical solution: each main passes every test without aux's help
+    """The first 20 problems, aux the canonical solution: each main passes every test without aux's help
     (2.5: structure, syntax, tests); the paper's syntactic bonus would have paid these 4.0."""
-    rows = problems[:40]
+    rows = problems[:20]
     items = [humaneval_item(row, row["task_id"]) for row in rows]
     helpers = [f"```python\n{_solution_as(row, 'aux')}\n```" for row in rows]
     mains = [f"```python\n{_solution_as(row, '_solve')}\n\n\n"
@@ -252,8 +252,8 @@ def test_cooperation_bonus_pays_nothing_for_an_aux_that_does_nothing(problems, h
 
 def test_a_disguised_thin_wrapper_earns_no_non_wrapper_bonus(problems, humaneval_pool):
     """``r = aux(...); return r if True else None`` (4.0 under the paper's syntactic rule): aux does all
-    the work, main adds nothing: 3.0, on the first 40 problems."""
-    rows = problems[:40]
+    the work, main adds nothing: 3.0, on the first 20 problems."""
+    rows = problems[:20]
     items = [humaneval_item(row, row["task_id"]) for row in rows]
     helpers = [f"```python\n{_solution_as(row, 'aux')}\n```" for row in rows]
     mains = [f"def {row['entry_point']}(*args):\n    result = aux(*args)\n    return result if True else None\n"
