@@ -404,6 +404,11 @@ COOPERATION_CASES = {
                                        "    assert isinstance(r, list)\n    return sorted(xs)\n", 2.5),
     "aux's result only measured": (SORTING_AUX, "def entry(xs):\n    n = len(aux(xs))\n    return sorted(xs)\n",
                                    2.5),
+    # Each probe runs in a fresh sandbox: nothing the first run left behind tells the program it is probed.
+    "fail when run a second time on the same input": (
+        SORTING_AUX, "import os\ndef entry(xs):\n    if False:\n        aux(xs)\n    seen = f'seen-{xs}'\n"
+                     "    if os.path.exists(seen):\n        raise RuntimeError('probed')\n"
+                     "    open(seen, 'w').close()\n    return sorted(xs)\n", 2.5),
     "a thin wrapper behind if True": (SORTING_AUX, "def entry(xs):\n    r = aux(xs)\n    return r if True else None\n",
                                       3.0),
     "... with aux's parameters not the entry point's": (
