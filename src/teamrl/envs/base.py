@@ -8,6 +8,8 @@ controller at inference time.
 
 from __future__ import annotations
 
+import inspect
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,13 +50,25 @@ class Environment(ABC):
     """Largest joint reward of one turn; normalised returns divide by it."""
 
     splits: dict[str, Sequence[Item]]
-    """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor."""
+    """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor. An item
+    without an ``id`` gets ``"SPLIT-INDEX"`` (reports, samples and pairings name items by id)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Environment:
+        env = super().__new__(cls)
+        # What the environment was built from, so that a saved team records how to build it again
+        # (env_record), whether a config or the user's own code constructed it.
+        env._constructor_arguments = (args, kwargs)
+        return env
 
     def items(self, split: str = "train") -> Sequence[Item]:
-        """The dataset items of ``split`` ('train' or 'eval')."""
+        """The dataset items of ``split`` ('train' or 'eval'), each with an ``id``."""
         if split not in self.splits:
             raise ValueError(f"split must be {' or '.join(map(repr, self.splits))} (got {split!r})")
-        return self.splits[split]
+        items = self.splits[split]
+        if any(not isinstance(item, dict) or item.get("id") is None for item in items):
+            items = self.splits[split] = [_with_id(item, f"{split}-{index}", type(self).__name__, split)
+                                          for index, item in enumerate(items)]
+        return items
 
     @abstractmethod
     def observe(self, item: Item) -> list[str]:
@@ -89,9 +103,23 @@ class Environment(ABC):
         """Score many joint actions; the default scores them one by one."""
         return [self.joint_reward(item, actions, history) for item, actions, history in requests]
 
+    def user_code(self) -> Sequence[Any]:
+        """Functions of users' modules the task calls besides its class's own (a saved team records the
+        folders they import from)."""
+        return ()
+
     def vocabulary(self) -> list[str] | None:
-        """Words a word-level tokenizer needs for this task (used by the 'tiny' test model), if any."""
-        return None
+        """Words a word-level tokenizer needs for this task (the 'tiny' test model's vocabulary).
+
+        By default the words of the roles and of every item's first observations (the first
+        :data:`VOCABULARY_ITEMS` items of each split); a task whose agents must write words its prompts
+        never show (digits, names) lists them itself.
+        """
+        texts = [*self.roles]
+        for split in self.splits:
+            for item in list(self.items(split))[:VOCABULARY_ITEMS]:
+                texts += self.observe(item)
+        return sorted({word for text in texts for word in text.split()}) or None
 
     # --------------------------------------------------------------------------------------------
     # Hooks of the prompt-only baselines (teamrl.evaluation.baselines). Training and decentralised
@@ -134,18 +162,89 @@ class Environment(ABC):
         return self.output_names[seat] if seat < len(self.output_names) else "answer"
 
 
+VOCABULARY_ITEMS = 1000
+"""Items per split whose observations the default :meth:`Environment.vocabulary` reads."""
+
+
+def _with_id(item: Any, default_id: str, env_name: str, split: str) -> Item:
+    if not isinstance(item, dict):
+        raise ValueError(f"{env_name}.splits[{split!r}]: items must be dicts of fields (got {item!r:.80})")
+    return item if item.get("id") is not None else {**item, "id": default_id}
+
+
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 register_env = registrar(ENVIRONMENTS)
 """``@register_env(name)``: class decorator making an environment constructible by name from a config."""
 
 
-def make_env(name: str, **kwargs: Any) -> Environment:
-    """Build the registered environment ``name`` with ``kwargs``; errors name the bad field."""
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """What ``env.name`` names: a registered environment, one an installed package publishes (entry-point
+    group ``teamrl.environments``), or an import path ``module:Class`` (``teamrl.imports``)."""
     from teamrl import envs  # noqa: F401  (registers the built-in environments)
+    from teamrl.imports import ENVIRONMENT_GROUP, entry_point, entry_point_names, is_import_path, load_object
 
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"env.name: unknown environment {name!r}; registered: {', '.join(sorted(ENVIRONMENTS))}")
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    factory = load_object(name, "env.name") if is_import_path(name) else entry_point(ENVIRONMENT_GROUP, name)
+    if factory is None:
+        known = ", ".join(sorted({*ENVIRONMENTS, *entry_point_names(ENVIRONMENT_GROUP)}))
+        raise ValueError(f"env.name: unknown environment {name!r}; registered: {known}; or give your own class "
+                         f"as module:Class (e.g. my_tasks:FactQA, my_tasks.py in the config's folder or the "
+                         f"working directory)")
+    if not callable(factory):
+        raise ValueError(f"env.name: {name!r} is a {type(factory).__name__}, not an Environment class")
+    return factory
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    """Build the environment ``name`` (:func:`environment_factory`) with ``kwargs``; errors name the bad field."""
+    factory = environment_factory(name)
     try:
-        return ENVIRONMENTS[name](**kwargs)
+        env = factory(**kwargs)
     except TypeError as err:
         raise ValueError(f"env.kwargs: {name!r} does not accept these arguments ({err})") from None
+    if not isinstance(env, Environment):
+        raise ValueError(f"env.name: {name!r} built a {type(env).__name__}, not a teamrl.Environment subclass")
+    return env
+
+
+def env_record(env: Environment) -> dict[str, Any]:
+    """How to build ``env`` again in another process, for a saved team's ``team.json``: ``name`` (a
+    registered name or ``module:Class``), the ``kwargs`` it was constructed with and the ``folders`` its
+    module imports from. Raises ValueError when that cannot be written down (a class defined in
+    ``__main__`` or in a function, or arguments that are not plain data)."""
+    from teamrl.imports import import_path_of, module_folder
+
+    cls = type(env)
+    name = next((key for key, factory in ENVIRONMENTS.items() if factory is cls), None) or import_path_of(cls)
+    if name is None:
+        raise ValueError(f"{cls.__qualname__} is defined in {cls.__module__!r}, where another process cannot "
+                         f"import it: define it in a module file (e.g. my_tasks.py) and import it from there")
+    args, kwargs = getattr(env, "_constructor_arguments", ((), {}))
+    try:
+        bound = inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError:
+        bound = None
+    arguments = dict(bound.arguments) if bound is not None else dict(kwargs)
+    for parameter in inspect.signature(cls).parameters.values() if bound is not None else ():
+        if parameter.kind is parameter.VAR_KEYWORD and parameter.name in arguments:
+            arguments.update(arguments.pop(parameter.name))
+    try:
+        json.dumps(arguments)
+    except TypeError as err:
+        raise ValueError(f"{cls.__qualname__} was built with arguments that are not plain data ({err}), so a "
+                         f"saved team cannot record them; pass names, numbers, strings, lists and dicts") from None
+    folders = sorted({folder for folder in map(module_folder, (cls, *env.user_code())) if folder})
+    return {"name": name, "kwargs": arguments, **({"folders": folders} if folders else {})}
+
+
+def rebuild_env(record: dict[str, Any]) -> Environment:
+    """The environment a :func:`env_record` describes (as a saved team's ``team.json`` holds it)."""
+    from teamrl.imports import add_search_folder
+
+    if "unavailable" in record:
+        raise ValueError(f"team.json: this team's task, {record['name']}, cannot be built again: "
+                         f"{record['unavailable']}; in Python, pass it: Team.from_pretrained(path, env=...)")
+    for folder in record.get("folders", ()):
+        add_search_folder(folder)
+    return make_env(record["name"], **record.get("kwargs", {}))
