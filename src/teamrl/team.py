@@ -207,7 +207,7 @@ class Team:
         """
         from peft import PeftModel
 
-        from teamrl.envs.base import make_env
+        from teamrl.envs.base import rebuild_env
 
         root = Path(directory)
         manifest_file = root / "team.json"
@@ -215,7 +215,7 @@ class Team:
             raise ValueError(f"{root}: not a saved team (no team.json); give the directory save_pretrained wrote")
         manifest = json.loads(manifest_file.read_text())
         if env is None and "env" in manifest:
-            env = make_env(manifest["env"]["name"], **manifest["env"].get("kwargs", {}))
+            env = rebuild_env(manifest["env"])
         torch_dtype = getattr(torch, dtype)
         bases: dict[str, nn.Module] = {}
         agents = []

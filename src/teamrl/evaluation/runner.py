@@ -33,6 +33,7 @@ from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.coding import CodingEnv
 from teamrl.evaluation.baselines import BASELINES, MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
+from teamrl.imports import ENVIRONMENT_GROUP, entry_point, is_import_path
 from teamrl.inference import check_context
 from teamrl.team import Agent, Team, load_base_model
 
@@ -182,7 +183,7 @@ def task_source(target: str) -> tuple[str | None, list[str]]:
     """
     if resolve_config_path(target).is_file():
         return target, []
-    if target in ENVIRONMENTS:
+    if target in ENVIRONMENTS or is_import_path(target) or entry_point(ENVIRONMENT_GROUP, target) is not None:
         return None, [f"env.name={target}"]
     raise ValueError(f"ENV_OR_CONFIG: {target!r} is neither an environment ({', '.join(sorted(ENVIRONMENTS))}) "
                      f"nor a config file or preset ({', '.join(presets())})")
