@@ -37,6 +37,7 @@ from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
 from teamrl.config import AlgorithmConfig, TrainConfig
 from teamrl.envs.base import Environment, Item, Step
+from teamrl.envs.checks import checked_individual_rewards, checked_observations, checked_rewards
 from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import Generation, derive_seed, generate_team
 from teamrl.team import Agent, Team
@@ -107,7 +108,8 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
     parents = torch.arange(len(items))
     tree = Rollout()
     for turn in range(config.num_turns):
-        observations = [env.observe(item) if not history else env.next_observations(item, history)
+        observations = [checked_observations(env, "observe", item, env.observe(item)) if not history
+                        else checked_observations(env, "next_observations", item, env.next_observations(item, history))
                         for item, history in frontier]
         start = time.perf_counter()
         generations = sample([[obs[i] for obs in observations] for i in range(env.num_agents)], num_samples,
@@ -118,8 +120,9 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
                       combos, [], torch.empty(0), stopped, seconds)
         requests = [(item, record.joint_action(e, m), history)
                     for e, (item, history) in enumerate(frontier) for m in range(len(combos))]
-        record.results = env.joint_rewards(requests)
-        channels = (env.individual_rewards_many(requests) if individual
+        # Checked before anything learns from them: a NaN reward would make every weight NaN.
+        record.results = checked_rewards(env, requests, env.joint_rewards(requests))
+        channels = (checked_individual_rewards(env, requests, env.individual_rewards_many(requests)) if individual
                     else [[result.total] for result in record.results])
         record.rewards = torch.tensor(channels, dtype=torch.float32).view(len(frontier), len(combos), -1)
         tree.turns.append(record)
