@@ -58,6 +58,8 @@ def test_train_and_generate_a_task_of_ones_own_through_the_cli(user_task, tmp_pa
     manifest = json.loads((team / "team.json").read_text())
     assert manifest["env"] == {"name": f"{module}:FactQA", "kwargs": {"num_facts": 5},
                                "folders": [str(config.parent.resolve())]}
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert all(sample["item"].startswith("train-") for line in samples for sample in line["samples"])
     capsys.readouterr()
     assert main(["generate", str(team), "--split", "eval", "--limit", "2"]) == 0
     out = capsys.readouterr().out

@@ -254,8 +254,9 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         words = env.vocabulary()
         if not words:
-            raise ValueError(f"team.model: 'tiny' needs an environment with a vocabulary; "
-                             f"{type(env).__name__} has none")
+            raise ValueError(f"team.model: the 'tiny' test model knows only the words of its task, and "
+                             f"{type(env).__name__}.vocabulary() gave none (by default it reads the roles and the "
+                             f"items' observations); return the words its agents may write, or use another model")
         model, tokenizer = tiny_model_and_tokenizer(words, seed=seed)
     else:
         from teamrl.models.loading import load_model_and_tokenizer

@@ -110,6 +110,9 @@ def test_a_template_field_the_data_lacks_fails_at_construction_naming_the_item(t
         make_env("dataset", data="facts.jsonl", prompts="{fact}", reward=f"{module}:as_number")
     with pytest.raises(ValueError, match=f"env.kwargs.reward: module '{module}' .* has no 'missing'"):
         _task(module, "missing")
+    (folder / "broken.jsonl").write_text('{"fact": "f"}\n{"fact": oops}\n')
+    with pytest.raises(ValueError, match=r"env.kwargs.data: .*broken.jsonl:2: not valid JSON"):
+        make_env("dataset", data="broken.jsonl", prompts=["{fact}"], reward=f"{module}:as_number")
     with pytest.raises(ValueError, match="env.kwargs.data: .*nothing.jsonl: no such file"):
         make_env("dataset", data="nothing.jsonl", prompts=["{fact}"], reward=f"{module}:as_number")
 
