@@ -155,3 +155,13 @@ def test_the_tiny_model_needs_no_vocabulary_method(task_folder):
     folder, module = task_folder
     words = _task(module).vocabulary()
     assert {"Ask", "about", "fact", "number", "11"} <= set(words)
+
+
+def test_the_single_agent_baseline_asks_for_every_part_and_reads_them_back(task_folder):
+    folder, module = task_folder
+    env = _task(module)
+    item = env.items("eval")[0]
+    prompt = env.single_agent_observation(item)
+    assert f"Part 1: Ask about {item['fact']}" in prompt and f"Part 2: Answer about {item['fact']}" in prompt
+    assert env.split_single_agent_output(item, "Part 1: why?\npart 2: because\nso") == ["why?", "because\nso"]
+    assert env.split_single_agent_output(item, "**Part 2:** only this") == ["", "only this"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import string
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +37,8 @@ from teamrl.data import DataError, has_splits, holdout_split, load_records, sour
 from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.imports import import_path_of, load_object, search_folders
 from teamrl.rewards.base import RewardResult
+
+_PART_LABEL = re.compile(r"^\s*\**Part (\d+)\s*:\**", re.MULTILINE | re.IGNORECASE)
 
 
 @register_env("dataset")
@@ -103,6 +106,18 @@ class DatasetTask(Environment):
 
     def observe(self, item: Item) -> list[str]:
         return [prompt.format_map(item) for prompt in self.prompts]
+
+    def single_agent_observation(self, item: Item) -> str:
+        """Every agent's prompt as a numbered part of one answer (the ``single`` baseline of ``teamrl eval``)."""
+        parts = "\n".join(f"Part {seat}: {prompt}" for seat, prompt in enumerate(self.observe(item), 1))
+        return (f"Do all {self.num_agents} parts below. Start each answer on its own line with its label "
+                f"(Part 1:, Part 2:, ...), and write nothing else.\n{parts}")
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """The text after each ``Part i:`` label is agent i's part ('' for a part the answer lacks)."""
+        pieces = _PART_LABEL.split(completion)
+        answers = {int(label): text.strip() for label, text in zip(pieces[1::2], pieces[2::2])}
+        return [answers.get(seat, "") for seat in range(1, self.num_agents + 1)]
 
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         value = _call(self.reward_fn, list(actions), item, history)
