@@ -36,6 +36,11 @@ class CheckpointUnreadable(ValueError):
     """A complete checkpoint's files cannot be read back (truncated or damaged after it was written)."""
 
 
+class NonFiniteWeights(ValueError):
+    """Weights about to be saved hold a NaN or an infinity: nothing was written (writing them would only
+    replace, or prune, the good ones)."""
+
+
 @dataclass
 class AgentState:
     """What a checkpoint keeps of one agent, on the CPU."""
@@ -70,6 +75,22 @@ def restore_agent_state(agent: Agent, optimizer: torch.optim.Optimizer, schedule
     scheduler.load_state_dict(state.optim["scheduler"])
 
 
+def non_finite_parameters(agents: dict[str, AgentState]) -> list[str]:
+    """``'agent' parameter`` of every floating-point parameter in ``agents`` (states by name) that holds a NaN
+    or an infinity."""
+    return [f"{name!r} {key}" for name, state in agents.items() for key, value in state.parameters.items()
+            if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+
+
+def require_finite(agents: dict[str, AgentState], what: str) -> None:
+    """Raise :class:`NonFiniteWeights` (``what`` names what was not saved) unless every parameter of
+    ``agents`` is finite."""
+    bad = non_finite_parameters(agents)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteWeights(f"{what} not written: the weights of {shown} are not finite (NaN or inf)")
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -78,10 +99,18 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write the checkpoint for ``step`` (``agents``: each agent's state by name) atomically and prune all
-    but the ``keep_last`` newest (by step)."""
+    but the ``keep_last`` newest (by step).
+
+    Non-finite weights are refused before anything is written or pruned, so every checkpoint on disk is
+    finite, and pruning, which only follows a checkpoint written, keeps that newest good one.
+
+    Raises:
+        NonFiniteWeights: a parameter holds a NaN or an infinity.
+    """
     root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step:06d}"
+    require_finite(agents, f"checkpoint {final}")
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -27,10 +27,19 @@ import yaml
 
 from teamrl.algorithms import magrpo
 from teamrl.algorithms.base import Algorithm, make_algorithm, make_environment
+from teamrl.algorithms.magrpo import NonFiniteUpdate
 from teamrl.backend import AgentBackend, make_backend
-from teamrl.checkpoint import CheckpointUnreadable, discard_checkpoints_after, load_checkpoint, save_checkpoint
+from teamrl.checkpoint import (
+    CheckpointUnreadable,
+    NonFiniteWeights,
+    discard_checkpoints_after,
+    load_checkpoint,
+    require_finite,
+    save_checkpoint,
+)
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, make_env
+from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
 from teamrl.rollout.generate import derive_seed
@@ -79,6 +88,13 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(message)
         self.exit_code = 128 + signum
         """The exit status of a process killed by that signal, as shells report it."""
+
+
+class TrainingStopped(ValueError):
+    """Training stopped before learning from what it cannot use: the task's code returned a wrong or
+    non-finite value (:class:`~teamrl.envs.checks.EnvironmentOutputError`), an update's gradients were not
+    finite, or a checkpoint's weights were. The message says at which step, why, and which checkpoint is
+    kept (every one on disk is finite) with the command that resumes from it."""
 
 
 class Trainer:
@@ -148,7 +164,18 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One step on the next batch of items (the rollout, then the algorithm's learning); returns its metrics."""
+        """One step on the next batch of items (the rollout, then the algorithm's learning); returns its metrics.
+
+        Raises:
+            TrainingStopped: the task returned a value that cannot be learnt from, or an update's gradients
+                were not finite; the optimiser step that would have used it was not taken.
+        """
+        try:
+            return self._rollout_and_learn()
+        except (EnvironmentOutputError, NonFiniteUpdate) as err:
+            raise self._stopped(self.step + 1, err) from err
+
+    def _rollout_and_learn(self) -> dict[str, float]:
         config = self.config
         start = time.perf_counter()
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
@@ -234,16 +261,40 @@ class Trainer:
         return self.agents.team
 
     def save_team(self, directory: str | Path | None = None) -> Path:
-        """Save the trained team (default ``run_dir/team``) with the environment it was trained on."""
+        """Save the trained team (default ``run_dir/team``) with the environment it was trained on.
+
+        Raises:
+            NonFiniteWeights: a weight is NaN or inf (nothing is written).
+        """
         env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
-        return self.agents.save(directory or self.run_dir / TEAM_DIR,
+        directory = directory or self.run_dir / TEAM_DIR
+        require_finite(dict(zip(self.agent_names, self.agents.states())), f"team {directory}")
+        return self.agents.save(directory,
                                 metadata={"env": env, "algorithm": self.config.algorithm.name, "seed": self.config.seed,
                                           "step": self.step})
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step.
+
+        Raises:
+            TrainingStopped: a weight is NaN or inf; nothing is written and the checkpoints on disk are kept.
+        """
         states = {**dict(zip(self.agent_names, self.agents.states())), **self.algorithm.states()}
-        return save_checkpoint(self.run_dir, self.step, states, keep_last=self.config.checkpoint.keep_last)
+        try:
+            return save_checkpoint(self.run_dir, self.step, states, keep_last=self.config.checkpoint.keep_last)
+        except NonFiniteWeights as err:
+            raise self._stopped(self.step, err) from err
+
+    def _stopped(self, step: int, err: Exception) -> TrainingStopped:
+        """Why training stops at ``step`` (``err``), and what it keeps on disk: the newest checkpoint, with the
+        command that resumes from it, or none."""
+        kept = complete_checkpoints(self.run_dir)
+        what = (f"the last checkpoint, {kept[0]}, is kept; fix the cause, then resume with: "
+                f"{resume_command(self.run_dir)}" if kept
+                else "no checkpoint was written yet: fix the cause, then start again with --overwrite")
+        when = ", before its update" if isinstance(err, EnvironmentOutputError) else ""
+        return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{when}: {err}; {what}")
+
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:

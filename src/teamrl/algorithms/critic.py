@@ -153,7 +153,8 @@ class Critic:
                     loss.backward()
                     totals["loss"] += float(loss.detach()) / num_iterations
                     totals["clip_fraction"] += stats["clip_fraction"] * (stop - start) / len(texts) / num_iterations
-                totals["grad_norm"] += clip_gradients(self.parameters, max_grad_norm) / num_iterations
+                totals["grad_norm"] += clip_gradients(self.parameters, max_grad_norm,
+                                                      f"critic {self.name!r}") / num_iterations
                 self.optimizer.step()
                 self.scheduler.step()
         self.model.eval()

@@ -156,7 +156,7 @@ def update_agents(
             for agent, stem, optimizer, scheduler, tally in zip(agents, stems, optimizers, schedulers, tallies):
                 if stem is not None:
                     stem.backward([leaf.grad for leaf in stem.leaves()])
-                tally.end_step(clip_gradients(agent.parameters, max_grad_norm))
+                tally.end_step(clip_gradients(agent.parameters, max_grad_norm, f"agent {agent.name!r}"))
                 optimizer.step()
                 scheduler.step()
     model.eval()

@@ -24,6 +24,7 @@ One training step for a batch of items:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -228,7 +229,7 @@ def update_agent(
                                                         normalizer=normalizer, ref_logprobs=reference[b])
             batch_loss.backward()
             stats.add(float(batch_loss.detach()), batch_stats)
-        stats.end_step(clip_gradients(agent.parameters, max_grad_norm))
+        stats.end_step(clip_gradients(agent.parameters, max_grad_norm, f"agent {agent.name!r}"))
         optimizer.step()
         scheduler.step()
     agent.model.eval()
@@ -243,12 +244,25 @@ def micro_batches(size: int, micro_batch_size: int, rows_per_example: int = 1) -
     return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
-def clip_gradients(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None) -> float:
+class NonFiniteUpdate(ValueError):
+    """An update's gradients hold a NaN or an infinity: its optimiser step was not taken."""
+
+
+def clip_gradients(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None, owner: str) -> float:
     """Scale the gradients to a total norm of at most ``max_grad_norm`` (None: leave them); their norm
-    before, 0 where no parameter has one (every micro-batch skipped)."""
+    before, 0 where no parameter has one (every micro-batch skipped). Every optimiser step of an agent or
+    critic comes right after this call, so it is where a non-finite update is stopped.
+
+    Raises:
+        NonFiniteUpdate: the norm is not finite (NaN or inf); ``owner`` names whose update it is.
+    """
     if not any(p.grad is not None for p in parameters):
         return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or float("inf")))
+    norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm or float("inf")))
+    if not math.isfinite(norm):
+        raise NonFiniteUpdate(f"{owner}: the gradients of its update are not finite (norm {norm}), so its optimiser "
+                              f"step was not taken; a learning rate too high (optim.lr) is the usual cause")
+    return norm
 
 
 class UpdateStats:

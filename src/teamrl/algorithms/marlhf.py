@@ -38,7 +38,15 @@ import torch
 from torch import nn
 
 from teamrl.algorithms.base import register_algorithm
-from teamrl.algorithms.magrpo import MAGRPO, Rollout, UpdateStats, advantages, micro_batches, rollout_metrics
+from teamrl.algorithms.magrpo import (
+    MAGRPO,
+    Rollout,
+    UpdateStats,
+    advantages,
+    clip_gradients,
+    micro_batches,
+    rollout_metrics,
+)
 from teamrl.algorithms.preferences import bradley_terry_loss, pairwise_accuracy, preference_pairs
 from teamrl.checkpoint import AgentState
 from teamrl.config import RewardModelConfig, TrainConfig
@@ -197,7 +205,7 @@ class MARLHF:
                 if weights[start:stop].any():  # a text in no pair has no gradient
                     batch_weights = weights[start:stop].to(self.reward_model.head.weight.device)
                     (self.reward_model(texts[start:stop]) * batch_weights).sum().backward()
-            torch.nn.utils.clip_grad_norm_(self.reward_model.parameters(), self.max_grad_norm or float("inf"))
+            clip_gradients(list(self.reward_model.parameters()), self.max_grad_norm, "the reward model")
             self.optimizer.step()
 
     def states(self) -> dict[str, AgentState]:
