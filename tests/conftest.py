@@ -122,3 +122,10 @@ def _two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _idle_machine(monkeypatch):
+    # The command line warns, on stderr, when other work keeps the machine busy (teamrl.runtime): what tests
+    # print must not depend on what else the machine runs. tests/test_runtime.py sets the load it needs.
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))

@@ -43,7 +43,9 @@ def test_library_noise_is_off_unless_verbose(tiny_config, tmp_path):
     from teamrl.train import Trainer
 
     team = Trainer(tiny_config(steps=1)).save_team(tmp_path / "team")
-    command = [sys.executable, "-m", "teamrl.cli", "generate", str(team), "--split", "eval", "--limit", "1"]
+    # --threads: nothing to say about a machine other work keeps busy (tests/test_runtime.py)
+    command = [sys.executable, "-m", "teamrl.cli", "generate", str(team), "--split", "eval", "--limit", "1",
+               "--threads", "1"]
     quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr == "", quiet.stderr  # no loading bars, no FutureWarnings: only teamrl's report, on stdout

@@ -9,16 +9,15 @@ never import torch or transformers (seconds on their own).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from teamrl import __version__
 from teamrl.config import ALGORITHM_NAMES, ConfigError, describe_fields, load_config
+from teamrl.runtime import quiet_libraries, use_threads
 
 if TYPE_CHECKING:
     from teamrl.envs.base import Environment, Item
@@ -32,8 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     loads_models = argparse.ArgumentParser(add_help=False)
     loads_models.add_argument("--verbose", action="store_true",
                               help="keep the libraries' own output (transformers' progress bars, warnings)")
+    # What the commands that run models in this process share (compare's --threads is its runs' own).
+    runs_models_here = argparse.ArgumentParser(add_help=False)
+    runs_models_here.add_argument("--threads", dest="torch_threads", type=int, default=None,
+                                  help="torch threads (default: torch's, one per core); on a machine other work "
+                                       "keeps busy, fewer run faster")
 
-    train = commands.add_parser("train", parents=[loads_models], help="train a team", description=(
+    train = commands.add_parser("train", parents=[loads_models, runs_models_here], help="train a team", description=(
         "Train a team (MAGRPO, or the algorithm.name given). Fields of the YAML config can be overridden "
         "with key=value, e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
         "Ctrl-C (or SIGTERM) stops at the end of the step under way, saves a checkpoint and prints the "
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     existing_run.add_argument("--overwrite", action="store_true",
                               help="replace the run in run_dir (its metrics, samples, checkpoints and team)")
 
-    gen = commands.add_parser("generate", parents=[loads_models],
+    gen = commands.add_parser("generate", parents=[loads_models, runs_models_here],
                               help="run a saved team on new inputs (decentralised execution)",
                               description="Each agent answers its own prompt, concurrently; the joint output, "
                                           "its joint reward, tokens/s and latency are printed. An input whose "
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--limit", type=int, default=4, help="at most this many items from --split or --input-file")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's max_new_tokens")
 
-    demo = commands.add_parser("demo", parents=[loads_models],
+    demo = commands.add_parser("demo", parents=[loads_models, runs_models_here],
                                help="the main job: train a 2-agent team of the bundled model on a CPU",
                                description="Train two SmolLM2-135M-Instruct agents (LoRA on one shared base) with "
                                            "MAGRPO on TL;DR-style two-level summaries of ACL abstracts, offline, and "
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier run in the demo's run_dir")
 
     evaluate = commands.add_parser(
-        "eval", parents=[loads_models], help="compare prompt-only baselines and trained teams on a task",
+        "eval", parents=[loads_models, runs_models_here],
+        help="compare prompt-only baselines and trained teams on a task",
         description="Run each method on the same items with the same sampling settings and seed, score it with "
                     "the environment's joint reward, and write results.md/.csv/.json, PNG plots and report.html. "
                     "Methods: single (one model does the whole job), single:MODEL (another model), concat (the "
@@ -143,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "verbose", True):
-        _quiet_libraries()
+        quiet_libraries()
+    if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
+        parser.error(f"--threads: must be >= 1 (got {args.torch_threads})")
     try:
         if args.command == "train":
             return _train(args)
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from teamrl.demo import run_demo
 
+            use_threads(args.torch_threads)
             return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples,
                             eval_seed=args.eval_seed, overwrite=args.overwrite)
         if args.command == "config":
@@ -186,22 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _quiet_libraries() -> None:
-    """Keep the console to what teamrl reports: no progress bars, info messages or FutureWarnings and
-    DeprecationWarnings (about their own or each other's versions) from transformers, huggingface_hub,
-    PEFT and torch. Set before they are imported, as they read these settings then (what the user set
-    in the environment stays), or directly when they already are (``main`` called in a Python session)."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars follow this one
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.set_verbosity_error()
-        transformers_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-
 def _train(args: argparse.Namespace) -> int:
     from teamrl.train import Trainer
 
@@ -211,6 +203,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.insert(0, config_path)  # `teamrl train key=value` with no file
         config_path = None
     config = load_config(config_path, overrides)
+    use_threads(args.torch_threads)
     with Trainer(config, resume=args.resume, overwrite=args.overwrite) as trainer:
         history = trainer.train()
         team_dir = trainer.save_team()
@@ -277,6 +270,7 @@ def _eval(args: argparse.Namespace) -> int:
                             parse_ks(args.k), args.team_sampling)
     config = eval_config(args.target, args.overrides, args.model)
     history = read_history(args.run_dir) if args.run_dir else None
+    use_threads(args.torch_threads)
     results = run_evaluation(config, settings, log=lambda message: print(message, flush=True))
     files = write_report(results, args.out or Path(config.run_dir) / "eval", history)
     print(markdown_results(results))
@@ -317,6 +311,7 @@ def _generate(args: argparse.Namespace) -> int:
     from teamrl.inference import run_team
     from teamrl.team import Team
 
+    use_threads(args.torch_threads)
     team = Team.from_pretrained(args.team, env)
     if args.max_new_tokens:
         for agent in team:

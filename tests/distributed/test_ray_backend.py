@@ -131,3 +131,32 @@ def test_ray_checkpoints_resume_and_saved_team_are_the_local_format(local_ray, t
         resumed.team.shutdown()
     assert [m["step"] for m in actual] == [m["step"] for m in expected] == [3]
     _assert_same_metrics(expected, actual)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_actors_of_a_quiet_driver_keep_the_libraries_quiet(local_ray, tiny_config_data, tmp_path, monkeypatch):
+    # An actor's process inherits neither the driver's warning filters nor, on a cluster, its environment:
+    # it is told to be quiet when the driver is (teamrl without --verbose), and only then.
+    from teamrl.distributed import ray_team
+    from teamrl.envs.base import make_env
+
+    def library_output_off(worker) -> bool:  # run in the actor
+        import warnings
+
+        from transformers.utils import logging as transformers_logging
+
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.warn("probe", FutureWarning, stacklevel=1)
+        return not shown and not transformers_logging.is_progress_bar_enabled()
+
+    config = _config(tiny_config_data, tmp_path / "ray", "ray")
+    env = make_env(config.env.name, **config.env.kwargs)
+    for driver_quiet in (True, False):
+        monkeypatch.setattr(ray_team, "libraries_quiet", lambda quiet=driver_quiet: quiet)
+        team = ray_team.RayTeam(config, env)
+        try:
+            assert ray.get([actor.__ray_call__.remote(library_output_off) for actor in team._actors]) == \
+                [driver_quiet] * len(team)
+        finally:
+            team.shutdown()

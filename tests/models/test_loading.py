@@ -281,3 +281,44 @@ def test_unknown_bundled_name_lists_the_bundled_models():
         load_model_and_tokenizer("bundled:gpt-5")
 
     assert "'bundled:gpt-5'" in str(caught.value)
+
+
+_LIBRARY_NOISE_SCRIPT = """
+import sys
+from pathlib import Path
+
+if sys.argv[1] == "quiet":
+    from teamrl.runtime import quiet_libraries
+
+    quiet_libraries()
+from teamrl.config import config_from_dict
+from teamrl.envs.base import make_env
+from teamrl.models.bundled import convert_gguf_to_directory
+from teamrl.team import Team
+
+gguf_path, directory = Path(sys.argv[2]), Path(sys.argv[3])
+convert_gguf_to_directory(gguf_path, directory, spec=str(gguf_path))  # what the bundled model's first use does
+team = {"model": str(directory), "training": "lora", "agents": [{"name": "first"}, {"name": "second"}]}
+Team.from_config(config_from_dict({"team": team}).team, make_env("digit_sum"))  # PEFT's adapters
+"""
+# What the libraries print on that path: the GGUF conversion's bar (tqdm, past transformers' switch),
+# save_pretrained's bar, and the FutureWarning of PEFT reading transformers' deprecated property.
+_LIBRARY_NOISE = ("Converting and de-quantizing GGUF tensors", "Writing model shards", "is_gradient_checkpointing")
+
+
+@pytest.mark.slow
+def test_a_quiet_process_converts_saves_and_adapts_a_gguf_model_without_library_noise(tmp_path: Path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama_gguf(path)
+    printed = {}
+    for mode in ("quiet", "verbose"):
+        result = subprocess.run([sys.executable, "-c", _LIBRARY_NOISE_SCRIPT, mode, str(path), str(tmp_path / mode)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        printed[mode] = result.stderr
+    assert printed["quiet"] == ""
+    for noise in _LIBRARY_NOISE:  # without quiet_libraries (teamrl --verbose, the Python API), all of it stays
+        assert noise in printed["verbose"], (noise, printed["verbose"])

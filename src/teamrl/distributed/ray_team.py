@@ -36,6 +36,7 @@ from teamrl.checkpoint import AgentState, agent_state, restore_agent_state
 from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation, derive_seed, generate
+from teamrl.runtime import libraries_quiet, quiet_libraries
 from teamrl.team import Team
 from teamrl.train import seed_everything
 
@@ -63,9 +64,15 @@ class Seat:
 
 
 class AgentWorker:
-    """One agent, its optimiser and its schedule, inside a Ray actor (``ray.remote(AgentWorker)``)."""
+    """One agent, its optimiser and its schedule, inside a Ray actor (``ray.remote(AgentWorker)``).
 
-    def __init__(self, config: TrainConfig, index: int, seat: Seat, threads: int):
+    ``quiet``: keep the libraries' output off as the driver does (:func:`teamrl.runtime.quiet_libraries`); an
+    actor's process inherits neither the driver's warning filters nor, on a cluster, its environment.
+    """
+
+    def __init__(self, config: TrainConfig, index: int, seat: Seat, threads: int, quiet: bool = False):
+        if quiet:
+            quiet_libraries()
         torch.set_num_threads(threads)
         # The RNG as the Trainer's stands when it builds its team: whatever init draws from it (a LoRA
         # adapter's) draws what the first agent's would in one process.
@@ -144,7 +151,7 @@ class RayTeam:
             worker.options(
                 num_cpus=dist.cpus_per_agent, num_gpus=dist.gpus_per_agent,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=i),
-            ).remote(config, i, Seat(env.roles[i] if i < len(env.roles) else None, words), threads)
+            ).remote(config, i, Seat(env.roles[i] if i < len(env.roles) else None, words), threads, libraries_quiet())
             for i in range(len(self.names))
         ]
 

@@ -192,12 +192,38 @@ def load_gguf(
         )
     # transformers resolves gguf_file against a directory, as it would inside a hub repo
     options = {"gguf_file": path.name, "local_files_only": True}
-    with _load_errors(spec, "check that it is a complete GGUF of an architecture transformers supports"):
+    with (_load_errors(spec, "check that it is a complete GGUF of an architecture transformers supports"),
+          _conversion_bar_follows_transformers()):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, **options)
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, dtype=dtype, **_dense_gguf_option(), **options
         )
     return _without_gguf_quantizer(model), tokenizer
+
+
+@contextlib.contextmanager
+def _conversion_bar_follows_transformers() -> Iterator[None]:
+    """Draw the GGUF conversion's progress bar only when transformers' progress bars are on.
+
+    transformers draws that bar with tqdm itself, past its own switch
+    (``transformers.utils.logging.disable_progress_bar``, which :func:`teamrl.runtime.quiet_libraries` turns
+    off): for the conversion, its module's ``tqdm`` is transformers' switched one.
+    """
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loading
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # a transformers without this module draws no such bar
+        yield
+        return
+    drawn_with = getattr(gguf_loading, "tqdm", None)
+    if drawn_with is None:
+        yield
+        return
+    gguf_loading.tqdm = transformers_logging.tqdm
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = drawn_with
 
 
 def _dense_gguf_option() -> dict:
