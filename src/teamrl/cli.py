@@ -283,6 +283,7 @@ def _generate(args: argparse.Namespace) -> int:
     import json
 
     from teamrl.envs.base import make_env
+    from teamrl.envs.checks import checked_reward
 
     manifest_file = Path(args.team) / "team.json"
     if not manifest_file.is_file():
@@ -319,7 +320,7 @@ def _generate(args: argparse.Namespace) -> int:
     output = run_team(team, observations, labels=labels)
     for row, item in enumerate(items):
         actions = [texts[row] for texts in output.texts]
-        reward = env.joint_reward(item, actions)
+        reward = checked_reward(env, item, env.joint_reward(item, actions))
         print(f"=== {item.get('id', row)}  joint reward {reward.total:.3f}")
         for agent, text in zip(team, actions):
             print(f"--- {agent.name}\n{text}")
@@ -330,8 +331,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _observations(env: Environment, env_name: str, items: list[Item], source: str) -> list[list[str]]:
     """Each item's observations; an item without a field the task reads is named with what it needs."""
+    from teamrl.envs.checks import first_observations
+
     try:
-        return [env.observe(item) for item in items]
+        return first_observations(env, items)
     except KeyError as err:
         fields = ", ".join(env.items("eval")[0])
         hint = ("free text will not do: run it on --split eval, or on --input-file with JSONL items that have "

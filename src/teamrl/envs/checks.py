@@ -58,6 +58,12 @@ def checked_observations(env: Environment, method: str, item: Item, observations
     return list(observations)
 
 
+def first_observations(env: Environment, items: Sequence[Item]) -> list[list[str]]:
+    """Each item's first observations, ``env.observe(item)`` checked (:func:`checked_observations`): what
+    every evaluation and ``teamrl generate`` prompts the agents with."""
+    return [checked_observations(env, "observe", item, env.observe(item)) for item in items]
+
+
 def checked_reward(env: Environment, item: Item, result: Any, method: str = "joint_reward") -> RewardResult:
     """``result``, which ``env.method`` returned for ``item``, if it is a :class:`RewardResult` whose total,
     parts and counts are finite numbers."""

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from teamrl.envs.base import Environment, Item
 from teamrl.envs.centralized import CentralizedEnv
+from teamrl.envs.checks import first_observations
 from teamrl.inference import TeamOutput, run_team
 from teamrl.registry import registrar
 from teamrl.team import Team
@@ -89,7 +90,7 @@ def single(env: Environment, team: Team, items: Sequence[Item], num_samples: int
     agent = replace(first, name="single", system_prompt=env.single_agent_role,
                     sampling=replace(first.sampling, max_new_tokens=first.sampling.max_new_tokens * env.num_agents))
     central = CentralizedEnv(env)  # the task as one agent plays it, as a centralised policy is trained on it
-    observations = [central.observe(item) for item in items]
+    observations = first_observations(central, items)
     output = run_team(Team([agent]), observations, num_samples)
     episodes = [Episode(item, seen, [text])
                 for (item, seen), text in zip(_repeat(zip(items, observations), num_samples), output.texts[0])]
@@ -99,7 +100,7 @@ def single(env: Environment, team: Team, items: Sequence[Item], num_samples: int
 @register_baseline("concat")
 def concat(env: Environment, team: Team, items: Sequence[Item], num_samples: int) -> MethodOutput:
     """Every agent answers its own observation in parallel; the answers are the joint action."""
-    observations = [env.observe(item) for item in items]
+    observations = first_observations(env, items)
     output = run_team(team, observations, num_samples)
     episodes = [Episode(item, seen, actions) for (item, seen), actions
                 in zip(_repeat(zip(items, observations), num_samples), _joint_actions(output))]
@@ -109,7 +110,7 @@ def concat(env: Environment, team: Team, items: Sequence[Item], num_samples: int
 @register_baseline("sequential")
 def sequential(env: Environment, team: Team, items: Sequence[Item], num_samples: int) -> MethodOutput:
     """Agent i answers after agents 0..i-1 and sees their answers."""
-    rows = _repeat([(item, env.observe(item)) for item in items], num_samples)
+    rows = _repeat(zip(items, first_observations(env, items)), num_samples)
     answers: list[list[str]] = [[] for _ in rows]
     seen: list[list[str]] = [[] for _ in rows]
     tokens, seconds = 0, 0.0
@@ -129,7 +130,7 @@ def sequential(env: Environment, team: Team, items: Sequence[Item], num_samples:
 @register_baseline("discussion")
 def discussion(env: Environment, team: Team, items: Sequence[Item], num_samples: int) -> MethodOutput:
     """Every agent answers, then revises after seeing the others' first answers."""
-    observations = [env.observe(item) for item in items]
+    observations = first_observations(env, items)
     first = run_team(team, observations, num_samples)
     rows = _repeat(zip(items, observations), num_samples)
     first_answers = _joint_actions(first)

@@ -18,6 +18,7 @@ import torch
 
 from teamrl.envs.base import Environment, Item
 from teamrl.envs.centralized import CentralizedEnv
+from teamrl.envs.checks import checked_rewards, first_observations
 from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.metrics import accuracy_at_k, normalised_return, pass_at_k, summarise_levels, tokens_per_second
@@ -47,7 +48,7 @@ def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], n
     """
     if items_per_batch < 1:
         raise ValueError(f"items_per_batch: must be >= 1 (got {items_per_batch})")
-    observations = [env.observe(item) for item in items]
+    observations = first_observations(env, items)
     episodes: list[Episode] = []
     tokens, seconds = 0, 0.0
     for batch, start in enumerate(range(0, len(items), items_per_batch)):
@@ -71,7 +72,8 @@ def score(env: Environment, output: MethodOutput, num_samples: int,
     it plays, so its numbers are a team's."""
     if isinstance(env, CentralizedEnv):
         env, output = env.inner, env.joint_output(output)
-    rewards = env.joint_rewards([(episode.item, episode.actions, ()) for episode in output.episodes])
+    requests = [(episode.item, episode.actions, ()) for episode in output.episodes]
+    rewards = checked_rewards(env, requests, env.joint_rewards(requests))
     is_code = isinstance(env, CodingEnv)
     return (method_metrics(env, output, rewards, num_samples, ks, is_code),
             sample_records(output.episodes, rewards, num_samples, is_code))

@@ -30,6 +30,7 @@ from teamrl.algorithms.magrpo import team_sampler
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
 from teamrl.envs.centralized import CentralizedEnv
+from teamrl.envs.checks import first_observations
 from teamrl.envs.coding import CodingEnv
 from teamrl.evaluation.baselines import BASELINES, MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
@@ -278,7 +279,7 @@ def _answer(method: Method, env: Environment, team: Team, items: Sequence[Item],
     """The method's ``num_samples`` joint actions per item. A saved team samples as ``Trainer.evaluate`` does;
     a baseline on torch's RNG seeded with ``seed``, the same stream for every baseline."""
     if method.baseline is None:
-        check_context(team, [env.observe(item) for item in items])
+        check_context(team, first_observations(env, items))
         return sample_held_out(team_sampler(team), env, items, num_samples, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
