@@ -3,7 +3,9 @@
 from teamrl.envs import coding as _coding  # noqa: F401  (registers 'humaneval', 'coophumaneval', 'mbpp')
 from teamrl.envs import writing as _writing  # noqa: F401  (registers 'tldr' and 'arxiv')
 from teamrl.envs.base import ENVIRONMENTS, Environment, Step, make_env, register_env
+from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.envs.dataset import DatasetTask
 from teamrl.envs.digit_sum import DigitSumGame
 
-__all__ = ["ENVIRONMENTS", "DatasetTask", "DigitSumGame", "Environment", "Step", "make_env", "register_env"]
+__all__ = ["ENVIRONMENTS", "DatasetTask", "DigitSumGame", "Environment", "EnvironmentOutputError", "Step", "make_env",
+           "register_env"]
