@@ -58,6 +58,12 @@ def test_per_agent_sampling_overrides_the_team_settings():
         ({"team": {"agents": [{"name": "a", "sampling": {"temprature": 1}}]}}, "team.agents[0].sampling.temprature"),
         ({"team": {"sampling": {"top_p": 0}}}, "team.sampling.top_p"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
+        ({"eval": {"every_steps": -1}}, "eval.every_steps"),
+        ({"eval": {"every_steps": "often"}}, "eval.every_steps"),
+        ({"eval": {"items": 0}}, "eval.items"),
+        ({"eval": {"samples": 0}}, "eval.samples"),
+        ({"eval": {"seed": 1.5}}, "eval.seed"),
+        ({"eval": {"every": 5}}, "eval.every"),
     ],
 )
 def test_bad_values_name_the_field(data, field):
@@ -66,6 +72,15 @@ def test_bad_values_name_the_field(data, field):
     message = str(err.value)
     assert message.startswith(field + ":"), message
     assert "\n" not in message
+
+
+def test_held_out_evaluation_is_on_about_four_times_a_run_unless_set():
+    config = config_from_dict({})
+    assert (config.eval.every_steps, config.eval.items, config.eval.samples, config.eval.seed) == (None, 16, 2, 0)
+    assert [config.eval.interval(steps) for steps in (1, 4, 8, 24, 60, 1000)] == [1, 1, 2, 6, 15, 250]
+    assert config_from_dict({"eval": {"every_steps": 5}}).eval.interval(100) == 5
+    assert config_from_dict({"eval": {"every_steps": 0}}).eval.interval(100) == 0  # off
+    assert {"eval.every_steps", "eval.items", "eval.samples", "eval.seed"} <= {row[0] for row in describe_fields()}
 
 
 def test_cli_reports_a_bad_config_in_one_line(tmp_path):

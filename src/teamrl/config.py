@@ -10,6 +10,7 @@ traceback half-way through a run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -364,6 +365,34 @@ class LoggingConfig:
         _check(self.sample_every >= 0, f"{path}.sample_every", "must be >= 0", self.sample_every)
 
 
+#: Held-out evaluations an automatic schedule (``eval.every_steps`` empty) spreads over a run, after step 0's.
+AUTO_EVALUATIONS = 4
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training: the team scored on the environment's 'eval' split (eval.jsonl)."""
+
+    every_steps: int | None = _doc(
+        "Evaluate at step 0, every N steps and at the last step; empty = about 4 times a run; 0 = off.", None
+    )
+    items: int = _doc("Held-out items per evaluation (the 'eval' split's first ones).", 16)
+    samples: int = _doc("Joint actions sampled per held-out item.", 2)
+    seed: int = _doc("Sampling seed of every evaluation, apart from `seed`: each one, and each run, draws alike.", 0)
+
+    def validate(self, path: str) -> None:
+        _check(self.every_steps is None or self.every_steps >= 0, f"{path}.every_steps",
+               "must be >= 0 (0 = off, empty = about 4 times a run)", self.every_steps)
+        _check(self.items >= 1, f"{path}.items", "must be >= 1", self.items)
+        _check(self.samples >= 1, f"{path}.samples", "must be >= 1", self.samples)
+
+    def interval(self, steps: int) -> int:
+        """Steps between evaluations in a run of ``steps`` steps (0: no evaluation)."""
+        if self.every_steps is None:
+            return max(1, math.ceil(steps / AUTO_EVALUATIONS))
+        return self.every_steps
+
+
 @dataclass
 class CheckpointConfig:
     """When the run saves what it needs to resume."""
@@ -457,6 +486,8 @@ class TrainConfig:
     seed: int = _doc("Seed for model init (tiny), data order and sampling.", 0)
     run_dir: str = _doc("Where metrics, samples, checkpoints and the final team go.", "runs/teamrl")
     logging: LoggingConfig = _doc("Logging settings.", factory=LoggingConfig)
+    eval: EvalConfig = _doc("Held-out evaluation during training (eval.jsonl, reward_curve.png).",
+                            factory=EvalConfig)
     checkpoint: CheckpointConfig = _doc("Checkpoint settings.", factory=CheckpointConfig)
     rollout: RolloutConfig = _doc("Rollout engine settings.", factory=RolloutConfig)
     distributed: DistributedConfig = _doc("Where the agents run (this process, or Ray actors).",
@@ -469,6 +500,7 @@ class TrainConfig:
         self.algorithm.validate("algorithm")
         self.optim.validate("optim")
         self.logging.validate("logging")
+        self.eval.validate("eval")
         self.checkpoint.validate("checkpoint")
         self.rollout.validate("rollout")
         self.distributed.validate("distributed")
