@@ -24,6 +24,9 @@ def tiny_config_dict(tmp_path, **overrides) -> dict:
         "run_dir": str(tmp_path / "run"),
         "logging": {"progress_bar": False, "sample_every": 10},
         "checkpoint": {"save_every": 0},
+        # Held-out evaluation during training has tests of its own (tests/test_train_eval.py); off here, the
+        # other tests train only what they check.
+        "eval": {"every_steps": 0},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):

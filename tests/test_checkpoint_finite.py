@@ -18,14 +18,17 @@ def _state(value: float) -> dict[str, AgentState]:
                                 {"optimizer": {}, "scheduler": {}})}
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_good_ones_are_kept(tmp_path, bad):
+@pytest.mark.parametrize(("bad", "keep_last"), [(math.nan, 1), (math.inf, 1), (math.nan, 2)])
+def test_a_checkpoint_of_non_finite_weights_is_refused_and_the_good_ones_are_kept(tmp_path, bad, keep_last):
     for step in (1, 2):
-        save_checkpoint(tmp_path, step, _state(float(step)), keep_last=2)
+        save_checkpoint(tmp_path, step, _state(float(step)), keep_last=keep_last)
+    kept = [path.name for path in complete_checkpoints(tmp_path)]
+    assert kept == ["step_000002", "step_000001"][:keep_last]
     with pytest.raises(ValueError, match=r"step_000003.*'first'.*layer\.weight.*not finite") as info:
-        save_checkpoint(tmp_path, 3, _state(bad), keep_last=2)
+        save_checkpoint(tmp_path, 3, _state(bad), keep_last=keep_last)
     assert "\n" not in str(info.value)
-    assert [path.name for path in complete_checkpoints(tmp_path)] == ["step_000002", "step_000001"]
+    # Nothing written, nothing pruned: with keep_last=1 a NaN step 3 would otherwise have deleted step 2.
+    assert [path.name for path in complete_checkpoints(tmp_path)] == kept
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     states, state = load_checkpoint(tmp_path / "checkpoints" / "step_000002", ["first"])

@@ -185,3 +185,16 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_the_resume_comm
     code, out, err = _cli(capsys, "train", command.group(1), f"steps={last + 1}", "--resume")
     assert code == 0, err
     assert _metric_steps(run_dir) == list(range(1, last + 2))  # continued from the step it stopped at
+
+
+def test_held_out_evaluations_and_the_reward_curve_are_a_runs_outputs(tmp_path):
+    from teamrl.run_dir import RunDirError, claim_run_dir, clear_run_outputs
+
+    kept = tmp_path / "notes.txt"  # not a run's: overwrite leaves it
+    for path in (tmp_path / "eval.jsonl", tmp_path / "reward_curve.png", kept):
+        path.write_text("")
+    with pytest.raises(RunDirError, match=r"already holds a run \(eval.jsonl, reward_curve.png\)"):
+        claim_run_dir(tmp_path)
+    claim_run_dir(tmp_path, overwrite=True).release()
+    clear_run_outputs(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".lock", "notes.txt"]

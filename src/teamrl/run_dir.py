@@ -26,13 +26,16 @@ from pathlib import Path
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+EVAL_FILE = "eval.jsonl"
+CURVE_FILE = "reward_curve.png"
 CHECKPOINTS_DIR = "checkpoints"
 TEAM_DIR = "team"
 TENSORBOARD_DIR = "tensorboard"
 LOCK_FILE = ".lock"
 #: Everything a training run writes into its run directory: their presence means the directory holds a
 #: run, and ``overwrite`` removes exactly these (never anything else a user keeps there).
-RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, CHECKPOINTS_DIR, TEAM_DIR, TENSORBOARD_DIR)
+RUN_OUTPUTS = (CONFIG_FILE, METRICS_FILE, SAMPLES_FILE, EVAL_FILE, CURVE_FILE, CHECKPOINTS_DIR, TEAM_DIR,
+               TENSORBOARD_DIR)
 CHECKPOINT_PREFIX = "step_"
 
 

@@ -42,10 +42,12 @@ from teamrl.envs.base import Environment, Item, make_env
 from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
+from teamrl.evaluation.plots import plot_run
 from teamrl.rollout.generate import derive_seed
 from teamrl.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    EVAL_FILE,
     METRICS_FILE,
     SAMPLES_FILE,
     TEAM_DIR,
@@ -160,6 +162,8 @@ class Trainer:
         if not self.items:
             raise ValueError(f"env: {type(self.env).__name__} has no training items")
         self.step = 0
+        self.evaluations: list[dict[str, float]] = []
+        """The run's held-out evaluations so far, as in its ``eval.jsonl`` (a resumed run's earlier ones too)."""
         self._writers: list[Any] = []
 
     # ----------------------------------------------------------------------------------------------
@@ -206,11 +210,21 @@ class Trainer:
         self._last_tree = tree
         return metrics
 
-    def train(self, after_step: Callable[[dict[str, float]], bool] | None = None) -> list[dict[str, float]]:
+    def train(self, after_step: Callable[[dict[str, float]], bool] | None = None,
+              after_evaluation: Callable[[dict[str, float], list[dict[str, Any]]], None] | None = None,
+              ) -> list[dict[str, float]]:
         """Run until ``config.steps`` updates are done (from the checkpoint, when built with ``resume``).
 
         ``after_step(metrics)``, when given, runs after each step is logged (``teamrl compare`` evaluates
         there); returning True ends training after that step, which is checkpointed.
+
+        The team is scored on held-out items as ``config.eval`` says: at step 0, every ``eval.every_steps``
+        steps and at the last step (or the one ``after_step`` ends), each step once in a run, however often it
+        resumes. Each evaluation is a line of ``eval.jsonl``, logged under ``eval/...`` and shown on the
+        progress bar; ``after_evaluation(record, samples)``, when given, gets its line and its joint actions
+        (:meth:`evaluate_with_samples`). Training draws the same samples with or without evaluations. When
+        training ends, ``reward_curve.png`` plots the run's training reward and held-out evaluations
+        (:func:`~teamrl.evaluation.plots.plot_run`).
 
         SIGINT (Ctrl-C) or SIGTERM stops the run at the end of the step under way: that step is
         checkpointed and :class:`TrainingInterrupted` says how to resume. A second one stops at once,
@@ -221,16 +235,23 @@ class Trainer:
         self._open_writers()
         history = []
         progress = _progress(config, initial=self.step)
+        evaluate_every = self._evaluation_interval()
         try:
             with _StopAtStepEnd() as stop:
+                if self._evaluation_due(evaluate_every, finished=False):
+                    self._evaluate_held_out(after_evaluation)
+                    if progress is not None:
+                        progress.set_postfix(self._progress_postfix())
                 while self.step < config.steps:
                     metrics = self.train_step()
                     history.append(metrics)
                     self._log(metrics)
+                    finished = after_step is not None and after_step(metrics)
+                    if self._evaluation_due(evaluate_every, finished):
+                        self._evaluate_held_out(after_evaluation)
                     if progress is not None:
                         progress.update(1)
-                        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", loss=f"{metrics['loss']:.3g}")
-                    finished = after_step is not None and after_step(metrics)
+                        progress.set_postfix(self._progress_postfix(metrics))
                     every = config.checkpoint.save_every
                     # A signal during the last step changes nothing: the run is complete.
                     stopping = stop.signum is not None and self.step < config.steps and not finished
@@ -242,6 +263,7 @@ class Trainer:
                             f"saved in {checkpoint}; resume with: {resume_command(self.run_dir)}", stop.signum)
                     if finished:
                         break
+            plot_run(self.run_dir)
         except _StopNow as stop_now:
             kept = complete_checkpoints(self.run_dir)
             what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {resume_command(self.run_dir)}" if kept
@@ -322,7 +344,57 @@ class Trainer:
                                          self.config.seed if seed is None else seed, items_per_batch)
         return heldout.training_view(*heldout.score(self.env, output, num_samples))
 
+    @property
+    def held_out_items(self) -> Sequence[Item]:
+        """The items a scheduled held-out evaluation scores: the first ``eval.items`` of the environment's
+        'eval' split (none when it has no such split)."""
+        return list(self.env.items("eval"))[:self.config.eval.items] if "eval" in self.env.splits else []
+
     # ----------------------------------------------------------------------------------------------
+    def _evaluation_interval(self) -> int:
+        """Steps between this run's held-out evaluations (``config.eval``); 0 when off, or when the environment
+        has no held-out items (said once, in a warning: a task without them still trains)."""
+        every = self.config.eval.interval(self.config.steps)
+        if every and not self.held_out_items:
+            log.warning("eval: %s has no 'eval' items: training without held-out evaluation (eval.every_steps=0 "
+                        "turns it off)", type(self.env).__name__)
+            return 0
+        return every
+
+    def _evaluation_due(self, every: int, finished: bool) -> bool:
+        """Whether the current step is evaluated: step 0, every ``every`` steps and the run's last step
+        (``finished``: the one ``after_step`` ended), unless ``eval.jsonl`` has it (a resumed run)."""
+        if not every or any(evaluation["step"] == self.step for evaluation in self.evaluations):
+            return False
+        return self.step % every == 0 or self.step == self.config.steps or finished
+
+    def _progress_postfix(self, metrics: dict[str, float] | None = None) -> dict[str, str]:
+        """What the progress bar shows: the last step's training reward and loss, the latest held-out reward."""
+        postfix = {"reward": f"{metrics['reward/mean']:.3f}", "loss": f"{metrics['loss']:.3g}"} if metrics else {}
+        if self.evaluations:
+            postfix["held_out"] = f"{self.evaluations[-1]['reward/mean']:.3f}"
+        return postfix
+
+    def _evaluate_held_out(self, after_evaluation: Callable[[dict[str, float], list[dict[str, Any]]], None] | None,
+                           ) -> None:
+        """Score the team on the held-out items as ``config.eval`` says, append the result to ``eval.jsonl`` and
+        log it under ``eval/...``. Its own seed keeps training's samples as they would be without it."""
+        settings = self.config.eval
+        began = time.perf_counter()
+        metrics, samples = self.evaluate_with_samples(num_samples=settings.samples, max_items=settings.items,
+                                                      seed=settings.seed)
+        seconds = time.perf_counter() - began
+        record = {"step": self.step, **metrics, "items": len(samples) // settings.samples,
+                  "samples": settings.samples, "seconds": seconds}
+        self.evaluations.append(record)
+        with open(self.run_dir / EVAL_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for writer in self._writers:
+            writer.log({**{f"eval/{name}": value for name, value in metrics.items()}, "eval/seconds": seconds},
+                       self.step)
+        if after_evaluation is not None:
+            after_evaluation(record, samples)
+
     def _resume(self) -> None:
         """Load the newest checkpoint that reads back whole (a damaged one is skipped with a warning: that
         is what ``checkpoint.keep_last`` > 1 keeps older ones for) and drop what the run logged after it."""
@@ -343,8 +415,10 @@ class Trainer:
         # Steps logged or checkpointed after this checkpoint will be redone: drop them.
         for skipped in discard_checkpoints_after(self.run_dir, self.step):
             log.warning("removed %s: the run resumes from %s and redoes its steps", skipped, checkpoint)
-        for name in (METRICS_FILE, SAMPLES_FILE):
+        for name in (METRICS_FILE, SAMPLES_FILE, EVAL_FILE):
             _truncate_jsonl(self.run_dir / name, self.step)
+        if (self.run_dir / EVAL_FILE).exists():
+            self.evaluations = [json.loads(line) for line in (self.run_dir / EVAL_FILE).read_text().splitlines()]
 
     def _open_writers(self) -> None:
         self._writers = []

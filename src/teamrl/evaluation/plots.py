@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from teamrl.evaluation.schemes import SCHEMES
+from teamrl.run_dir import CONFIG_FILE, CURVE_FILE, EVAL_FILE, METRICS_FILE
 
 #: One colour per cooperation scheme, in the order of ``SCHEMES``, the same in every plot.
 SCHEME_COLOURS = dict(zip(SCHEMES, ("tab:gray", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown")))
@@ -38,15 +42,17 @@ def _wrapped(labels: Sequence[str], width: int = 18) -> list[str]:
 
 
 def plot_reward_curve(
-    history: Sequence[dict[str, float]],
+    history: Sequence[Mapping[str, float]],
     path: str | Path,
     *,
-    before: float | None = None,
-    after: float | None = None,
+    held_out: Sequence[Mapping[str, float]] = (),
     max_reward: float | None = None,
     title: str = "Joint reward during MAGRPO training",
 ) -> Path:
-    """Training joint reward per step (and its running mean), with held-out before/after marks."""
+    """Training joint reward per step (and its running mean), with the held-out evaluations as points.
+
+    ``held_out``: evaluations with their ``step`` and ``reward/mean`` (a run's ``eval.jsonl``), in step order.
+    """
     from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
@@ -59,10 +65,12 @@ def plot_reward_curve(
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, rewards, color="tab:blue", alpha=0.35, marker="o", markersize=3, label="training batch")
     ax.plot(steps, running, color="tab:blue", linewidth=2, label=f"running mean ({window} steps)")
-    if before is not None:
-        ax.axhline(before, color="tab:gray", linestyle="--", label=f"held-out before: {before:.2f}")
-    if after is not None:
-        ax.axhline(after, color="tab:green", linestyle="--", label=f"held-out after: {after:.2f}")
+    if held_out:
+        first, last = held_out[0], held_out[-1]
+        change = (f"{first['reward/mean']:.2f} at step {first['step']:g} -> {last['reward/mean']:.2f} at step "
+                  f"{last['step']:g}" if len(held_out) > 1 else f"{last['reward/mean']:.2f} at step {last['step']:g}")
+        ax.plot([e["step"] for e in held_out], [e["reward/mean"] for e in held_out], color="tab:green",
+                marker="s", markersize=5, linewidth=1.5, label=f"held-out: {change}")
     if max_reward is not None:
         ax.set_ylim(0, max_reward)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -72,6 +80,35 @@ def plot_reward_curve(
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
+
+
+def plot_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
+    """The reward curve of a training run, from its files: the training reward of every step (``metrics.jsonl``)
+    and the held-out evaluations (``eval.jsonl``, absent in runs from before they existed); written to
+    ``path`` (default ``RUN_DIR/reward_curve.png``), which is returned.
+
+    Raises:
+        ValueError: ``run_dir`` holds no training run (neither file), or nothing was logged there yet.
+    """
+    run_dir = Path(run_dir)
+    metrics, evaluations = (_read_jsonl(run_dir / name) for name in (METRICS_FILE, EVAL_FILE))
+    if metrics is None and evaluations is None:
+        raise ValueError(f"run_dir: {str(run_dir)!r} is not a training run (no {METRICS_FILE} or {EVAL_FILE} in it); "
+                         f"give the run_dir of a teamrl train run")
+    if not metrics and not evaluations:
+        raise ValueError(f"run_dir: {str(run_dir)!r} has logged no step yet; plot it once training has begun")
+    config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) if (run_dir / CONFIG_FILE).is_file() else None
+    algorithm = (config or {}).get("algorithm", {}).get("name")
+    title = f"Joint reward during {algorithm.upper()} training" if algorithm else "Joint reward during training"
+    return plot_reward_curve(metrics or [], run_dir / CURVE_FILE if path is None else path,
+                             held_out=evaluations or [], title=title)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]] | None:
+    """The records of a JSON-lines file; None when there is no such file."""
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_methods(methods: Sequence[str], series: Mapping[str, Sequence[float]], path: str | Path, *,
