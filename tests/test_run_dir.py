@@ -198,3 +198,30 @@ def test_held_out_evaluations_and_the_reward_curve_are_a_runs_outputs(tmp_path):
     claim_run_dir(tmp_path, overwrite=True).release()
     clear_run_outputs(tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == [".lock", "notes.txt"]
+
+
+def test_run_dir_advice_is_in_the_callers_terms(tmp_path, tiny_config, tiny_config_data, capsys, no_model_load):
+    # Python's caller sets the Trainer's arguments, the command line's passes flags: each is told its own.
+    from teamrl.run_dir import RunDirError
+    from teamrl.train import Trainer
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_000001" / "state.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError) as existing:
+        Trainer(tiny_config(run_dir=str(run_dir)))
+    assert (f"continue it with Trainer(load_config({str(run_dir / 'config.yaml')!r}), resume=True), replace it "
+            f"with Trainer(config, overwrite=True), or choose another run_dir") in str(existing.value)
+    missing = tmp_path / "mistyped"
+    with pytest.raises(RunDirError) as nothing:
+        Trainer(tiny_config(run_dir=str(missing)), resume=True)
+    assert str(nothing.value).endswith("start a new run with Trainer(config, resume=False)")
+    assert "--" not in str(existing.value) + str(nothing.value)
+
+    code, out, err = _cli(capsys, "train", str(_config_file(tiny_config_data, tmp_path, run_dir)))
+    assert code == 2 and f"continue it with teamrl train {run_dir / 'config.yaml'} --resume, replace it with " \
+                          f"--overwrite, or choose another run_dir" in err
+    code, out, err = _cli(capsys, "train", str(_config_file(tiny_config_data, tmp_path, missing)), "--resume")
+    assert code == 2 and err.rstrip().endswith("start a new run without --resume")
+    assert "Trainer(" not in err

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from teamrl import __version__
 from teamrl.config import ALGORITHM_NAMES, ConfigError, describe_fields, load_config
+from teamrl.run_dir import ADVISE_FLAGS
 from teamrl.runtime import quiet_libraries, use_threads
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
     if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
         parser.error(f"--threads: must be >= 1 (got {args.torch_threads})")
+    advising_flags = ADVISE_FLAGS.set(True)  # what a message says to do, it says in this command's flags
     try:
         if args.command == "train":
             return _train(args)
@@ -191,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
         print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
         return getattr(err, "exit_code", 128 + signal.SIGINT)
+    finally:
+        ADVISE_FLAGS.reset(advising_flags)
     return 1
 
 

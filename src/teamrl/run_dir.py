@@ -12,6 +12,7 @@ This module imports neither torch nor transformers: the checks must cost nothing
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import fcntl
 import json
@@ -63,6 +64,27 @@ def resume_command(run_dir: str | Path) -> str:
     """The command that continues the run in ``run_dir`` from its newest checkpoint. The run's own
     ``config.yaml`` (written when training starts) holds every setting, overrides included."""
     return f"teamrl train {shlex.quote(str(Path(run_dir) / CONFIG_FILE))} --resume"
+
+
+#: Whether the advice of run-directory messages names the ``teamrl`` command's flags (set by ``teamrl.cli.main``
+#: while a command runs) or, by default, the :class:`~teamrl.train.Trainer`'s arguments of the Python API.
+ADVISE_FLAGS: contextvars.ContextVar[bool] = contextvars.ContextVar("teamrl_advise_flags", default=False)
+
+
+def how_to_resume(run_dir: str | Path) -> str:
+    """What continues the run in ``run_dir``, as its caller would do it: :func:`resume_command` on the command
+    line, the Trainer of the run's own ``config.yaml`` in Python."""
+    if ADVISE_FLAGS.get():
+        return resume_command(run_dir)
+    return f"Trainer(load_config({str(Path(run_dir) / CONFIG_FILE)!r}), resume=True)"
+
+
+def ask_for(option: str, value: bool = True) -> str:
+    """How the caller sets ``option`` (``resume`` or ``overwrite``) to ``value``, after a verb ("replace it
+    with --overwrite"): the flag on the command line, the Trainer's argument in Python."""
+    if ADVISE_FLAGS.get():
+        return f"with --{option}" if value else f"without --{option}"
+    return f"with Trainer(config, {option}={value})"
 
 
 class RunDirLock:
@@ -156,7 +178,7 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool = False, overwrite: bool 
     if resume and not complete_checkpoints(run_dir):
         where = "does not exist" if not run_dir.exists() else "has no complete checkpoint"
         raise RunDirError(f"run_dir: nothing to resume: {str(run_dir)!r} {where}; check run_dir, or start a new "
-                          f"run without --resume")
+                          f"run {ask_for('resume', False)}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -168,9 +190,9 @@ def claim_run_dir(run_dir: str | Path, *, resume: bool = False, overwrite: bool 
         lock.release()
         # The resume command, not a bare --resume: `teamrl demo` has none, and the run's config.yaml has
         # every setting of the run, whatever command started it.
-        resumable = f"continue it with {resume_command(run_dir)}, " if complete_checkpoints(run_dir) else ""
+        resumable = f"continue it with {how_to_resume(run_dir)}, " if complete_checkpoints(run_dir) else ""
         raise RunDirError(f"run_dir: {str(run_dir)!r} already holds a run ({', '.join(found)}); {resumable}"
-                          f"replace it with --overwrite, or choose another run_dir")
+                          f"replace it {ask_for('overwrite')}, or choose another run_dir")
     return lock
 
 

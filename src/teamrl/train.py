@@ -53,10 +53,11 @@ from teamrl.run_dir import (
     TEAM_DIR,
     TENSORBOARD_DIR,
     RunDirError,
+    ask_for,
     claim_run_dir,
     clear_run_outputs,
     complete_checkpoints,
-    resume_command,
+    how_to_resume,
 )
 from teamrl.team import Team
 
@@ -260,14 +261,14 @@ class Trainer:
                     if stopping:
                         raise TrainingInterrupted(
                             f"{signal.Signals(stop.signum).name}: stopped after step {self.step} of {config.steps}, "
-                            f"saved in {checkpoint}; resume with: {resume_command(self.run_dir)}", stop.signum)
+                            f"saved in {checkpoint}; resume with: {how_to_resume(self.run_dir)}", stop.signum)
                     if finished:
                         break
             plot_run(self.run_dir)
         except _StopNow as stop_now:
             kept = complete_checkpoints(self.run_dir)
-            what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {resume_command(self.run_dir)}" if kept
-                    else "no checkpoint was written: start again with --overwrite")
+            what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {how_to_resume(self.run_dir)}" if kept
+                    else f"no checkpoint was written: start again {ask_for('overwrite')}")
             raise TrainingInterrupted(f"{signal.Signals(stop_now.signum).name} twice: stopped at once; {what}",
                                       stop_now.signum) from None
         finally:
@@ -312,8 +313,8 @@ class Trainer:
         command that resumes from it, or none."""
         kept = complete_checkpoints(self.run_dir)
         what = (f"the last checkpoint, {kept[0]}, is kept; fix the cause, then resume with: "
-                f"{resume_command(self.run_dir)}" if kept
-                else "no checkpoint was written yet: fix the cause, then start again with --overwrite")
+                f"{how_to_resume(self.run_dir)}" if kept
+                else f"no checkpoint was written yet: fix the cause, then start again {ask_for('overwrite')}")
         when = ", before its update" if isinstance(err, EnvironmentOutputError) else ""
         return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{when}: {err}; {what}")
 
@@ -408,7 +409,7 @@ class Trainer:
                 log.warning("%s; trying the checkpoint before it", err)
         else:
             raise RunDirError(f"run_dir: no checkpoint in {str(self.run_dir)!r} can be read (see the warnings "
-                              f"above); start a new run with --overwrite")
+                              f"above); start a new run {ask_for('overwrite')}")
         self.agents.load_states([states.pop(name) for name in self.agent_names], checkpoint)
         self.algorithm.load_states(states, checkpoint)
         self.step = int(state["step"])
