@@ -50,7 +50,8 @@ def train_and_evaluate(spec: dict) -> dict:
     from teamrl.train import Trainer
 
     overrides = [*spec["overrides"], f"algorithm.learners={spec['learners']}", f"seed={spec['seed']}",
-                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false"]
+                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false",
+                 "eval.every_steps=0"]  # evaluated before and after below, not by the trainer
     config = load_config(spec["config"], overrides)
     evaluation = {"max_items": spec["eval_items"], "num_samples": spec["eval_samples"], "seed": spec["eval_seed"]}
     start = time.perf_counter()

@@ -3,6 +3,7 @@ held-out items before and after, writes a reward-curve PNG and saves the team.""
 
 from __future__ import annotations
 
+import json
 import re
 
 from teamrl.demo import run_demo, typical_row
@@ -20,6 +21,10 @@ def test_demo_reports_before_after_plot_and_saved_team(tmp_path, capsys):
     assert (tmp_path / "demo" / "team" / "team.json").exists()
     before, after = map(float, re.search(r"before ([\d.]+) ± [\d.]+  ->  after ([\d.]+)", out).groups())
     assert after > before + 0.3  # the tiny team learns digit_sum within 30 steps
+    # Before and after are the run's own held-out evaluations, at step 0 and its last step, and only those.
+    evaluations = [json.loads(line) for line in (tmp_path / "demo" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["items"], e["samples"]) for e in evaluations] == [(0, 8, 2), (30, 8, 2)]
+    assert [f"{e['reward/mean']:.3f}" for e in evaluations] == [f"{before:.3f}", f"{after:.3f}"]
 
 
 def test_the_example_is_the_row_nearest_both_means():

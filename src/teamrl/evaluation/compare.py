@@ -223,7 +223,8 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["threads"])
     overrides = [*spec["overrides"], *spec["contender_overrides"],
                  *([f"steps={spec['steps']}"] if spec["steps"] else []), f"seed={spec['seed']}",
-                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false", "checkpoint.save_every=0"]
+                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false", "checkpoint.save_every=0",
+                 "eval.every_steps=0"]  # the comparison's own schedule below evaluates instead of the trainer's
     config = load_config(spec["config"], overrides)
     every_steps, every_seconds = spec["eval_every_steps"], 60 * spec["eval_every_minutes"]
     budget = 60 * spec["minutes"] if spec["minutes"] else float("inf")
