@@ -1,6 +1,6 @@
 """``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume | --overwrite]``,
 ``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl compare ENV_OR_CONFIG``,
-``teamrl presets``, ``teamrl config``, ``teamrl envs``.
+``teamrl plot RUN_DIR``, ``teamrl presets``, ``teamrl config``, ``teamrl envs``.
 
 Only what a command needs is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs``
 never import torch or transformers (seconds on their own).
@@ -139,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                          help="train nothing: write the report of the runs OUT/results.json holds so far, each "
                               "contender with the seeds it has (of --algorithms/--variant if given, else all)")
 
+    plot = commands.add_parser(
+        "plot", help="draw a training run's reward curve",
+        description="Plot a run's training joint reward per step (metrics.jsonl) and its held-out evaluations "
+                    "(eval.jsonl, when the run has them) to a PNG; a run in progress shows its steps so far.")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a teamrl train run")
+    plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png)")
+
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
     commands.add_parser("presets", help="list the configs shipped with teamrl")
@@ -162,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "compare":
             return _compare(args)
+        if args.command == "plot":
+            from teamrl.evaluation.plots import plot_run
+
+            print(f"reward curve: {plot_run(args.run_dir, args.out)}")
+            return 0
         if args.command == "demo":
             from teamrl.demo import run_demo
 
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from teamrl.run_dir import CURVE_FILE, METRICS_FILE
     from teamrl.train import Trainer
 
     overrides = list(args.overrides)
@@ -215,7 +228,12 @@ def _train(args: argparse.Namespace) -> int:
         first, last = history[0], history[-1]
         print(f"joint reward: {first['reward/mean']:.3f} at step {first['step']} -> "
               f"{last['reward/mean']:.3f} at step {last['step']}")
-    print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
+    if trainer.evaluations:
+        first, last = trainer.evaluations[0], trainer.evaluations[-1]
+        print(f"held-out joint reward ({last['items']} items x {last['samples']} samples): "
+              f"{first['reward/mean']:.3f} at step {first['step']} -> {last['reward/mean']:.3f} at step {last['step']}")
+    print(f"reward curve: {trainer.run_dir / CURVE_FILE}")
+    print(f"metrics: {trainer.run_dir / METRICS_FILE}")
     print(f"team saved to: {team_dir}")
     return 0
 
