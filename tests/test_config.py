@@ -113,3 +113,26 @@ def test_every_shipped_preset_loads_and_validates():
     for name in names:
         config = load_config(name)
         assert config.steps >= 1, name
+
+
+def test_an_env_name_override_leaves_out_the_env_kwargs_the_file_wrote_for_its_own(caplog):
+    # demo_tldr_cpu's env.kwargs (source, max_text_chars) are tldr's: digit_sum would refuse them.
+    import logging
+
+    from teamrl.envs.base import make_env
+
+    with caplog.at_level(logging.WARNING, logger="teamrl.config"):
+        config = load_config("demo_tldr_cpu", ["env.name=digit_sum"])
+    assert config.env.kwargs == {}
+    make_env(config.env.name, **config.env.kwargs)
+    assert [record.getMessage() for record in caplog.records] == [
+        "env.name=digit_sum: left out the config file's env.kwargs (source, max_text_chars), written for tldr; "
+        "digit_sum's come from env.kwargs.FIELD=VALUE overrides"]
+    # The new environment's own, in either order.
+    for overrides in (["env.name=digit_sum", "env.kwargs.length=3"], ["env.kwargs.length=3", "env.name=digit_sum"]):
+        assert load_config("demo_tldr_cpu", overrides).env.kwargs == {"length": 3}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="teamrl.config"):
+        assert load_config("demo_tldr_cpu", ["env.name=tldr"]).env.kwargs == {"source": "aclsum", "max_text_chars": 500}
+        assert load_config(None, ["env.name=digit_sum", "env.kwargs.length=3"]).env.kwargs == {"length": 3}
+    assert not caplog.records  # nothing was left out

@@ -10,6 +10,7 @@ traceback half-way through a run.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import types
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -542,6 +545,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {str(file)!r} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(file)!r} must hold a mapping of fields, got {type(data).__name__}")
+    _drop_kwargs_of_another_env(data, overrides or [])
     for override in overrides or []:
         _apply_override(data, override)
     return config_from_dict(data)
@@ -592,14 +596,35 @@ def describe_fields(cls: type = TrainConfig, prefix: str = "") -> list[tuple[str
     return rows
 
 
+def _drop_kwargs_of_another_env(data: dict[str, Any], overrides: list[str]) -> None:
+    """Leave out the config file's ``env.kwargs`` when an ``env.name=`` override names another environment,
+    with a one-line note: they were written for the file's environment (``tldr``'s ``source`` means nothing to
+    ``digit_sum``). The overrides' own ``env.kwargs...`` then give the new environment's."""
+    names = [_override_value(raw) for key, _, raw in (o.partition("=") for o in overrides) if key == "env.name"]
+    env = data.get("env")
+    if not names or not isinstance(env, dict) or not env.get("kwargs"):
+        return
+    file_name = env.get("name", EnvConfig.name)
+    if names[-1] == file_name:
+        return
+    dropped = env.pop("kwargs")
+    log.warning("env.name=%s: left out the config file's env.kwargs (%s), written for %s; %s's come from "
+                "env.kwargs.FIELD=VALUE overrides", names[-1], ", ".join(map(str, dropped)), file_name, names[-1])
+
+
+def _override_value(raw: str) -> Any:
+    """An override's value, parsed as YAML (a string that is not YAML stays as it is)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
 def _apply_override(data: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {override!r} must look like field.subfield=value")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
+    value = _override_value(raw)
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
