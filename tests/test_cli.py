@@ -54,3 +54,17 @@ def test_library_noise_is_off_unless_verbose(tiny_config, tmp_path):
     # the libraries' own output, kept
     assert "Warning" in verbose.stderr or "it/s" in verbose.stderr, verbose.stderr
     assert verbose.stdout.count("joint reward") == quiet.stdout.count("joint reward") == 1
+
+
+def test_presets_lists_each_preset_with_a_whole_sentence(capsys):
+    import re
+
+    from teamrl.config import presets
+
+    assert main(["presets"]) == 0
+    # One entry per preset: its name, then its text, wrapped onto indented lines.
+    entries = dict(entry.split(None, 1) for entry in re.split(r"\n(?=\S)", capsys.readouterr().out.strip()))
+    assert sorted(entries) == presets()
+    for name, text in entries.items():
+        text = " ".join(text.split())
+        assert text.endswith(".") and text.count("(") == text.count(")"), (name, text)  # no sentence cut short

@@ -33,3 +33,11 @@ def test_readme_commands_point_at_files_that_exist():
         assert name in presets() or name == "CONFIG", name
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci
+
+
+def test_readme_names_every_shipped_preset_and_no_other():
+    from teamrl.config import presets
+
+    paragraph = re.search(r"^Shipped presets: (.*?)\n\n", README.read_text(), flags=re.S | re.M).group(1)
+    assert paragraph.rstrip().endswith("."), paragraph  # a whole sentence
+    assert sorted(re.findall(r"`(\w+)`", paragraph)) == presets()

@@ -186,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(textwrap.indent(textwrap.fill(help_text, 96), "    "))
             return 0
         if args.command == "presets":
-            from teamrl.config import PRESETS_DIR, presets
+            from teamrl.config import preset_summary, presets
 
+            width = max(map(len, presets())) + 2
             for name in presets():
-                first = (PRESETS_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
-                print(f"{name:24s} {first}")
+                print(textwrap.fill(preset_summary(name), 110, initial_indent=f"{name:{width}}",
+                                    subsequent_indent=" " * width, break_on_hyphens=False))
             return 0
         if args.command == "envs":
             from teamrl.envs import ENVIRONMENTS

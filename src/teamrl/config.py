@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -557,6 +558,18 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 def presets() -> list[str]:
     """Names of the configs shipped with teamrl (``teamrl train NAME`` runs one)."""
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_summary(name: str) -> str:
+    """The first sentence of preset ``name``'s opening comment, wherever its lines break (``teamrl presets``)."""
+    comment = []
+    for line in (PRESETS_DIR / f"{name}.yaml").read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        comment.append(line.lstrip("#").strip())
+    text = " ".join(comment)
+    end = re.search(r"\.(\s|$)", text)  # a full stop, not the dot of Qwen2.5 or FILE.jsonl
+    return text[: end.start() + 1] if end else text
 
 
 def resolve_config_path(path: str | os.PathLike) -> Path:
