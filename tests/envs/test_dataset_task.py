@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 
 import pytest
 
 from teamrl.envs.base import Step, env_record, make_env, rebuild_env
+from teamrl.envs.checks import (
+    EnvironmentOutputError,
+    checked_individual_rewards,
+    checked_observations,
+    checked_rewards,
+)
 from teamrl.rewards.base import RewardResult
 
 REWARDS = '''
@@ -93,11 +100,30 @@ def test_reward_functions_return_a_number_parts_or_a_result(task_folder):
     assert _task(module, "as_result").joint_reward(item, ["q", "a"], [step, step]).total == 2
 
 
-@pytest.mark.parametrize("reward, value", [("as_nan", "nan"), ("as_nan_part", "inf"), ("as_none", "None")])
+@pytest.mark.parametrize("reward, value", [("as_nan", "a non-finite total (nan)"),
+                                           ("as_nan_part", "a non-finite total (inf)"),
+                                           ("as_none", "None")])
 def test_a_bad_reward_is_refused_naming_the_function_the_item_and_the_value(task_folder, reward, value):
     folder, module = task_folder
-    with pytest.raises(ValueError, match=rf"^{module}:{reward}.* returned {value} .*for item 'x'"):
-        _task(module, reward).joint_reward({"id": "x", "fact": "f", "answer": "a"}, ["q", "a"])
+    env = _task(module, reward)
+    requests = [({"id": "x", "fact": "f", "answer": "a"}, ["q", "a"], ())]
+    with pytest.raises(EnvironmentOutputError, match=rf"^{module}:{reward} returned {re.escape(value)} .*item 'x'"):
+        checked_rewards(env, requests, env.joint_rewards(requests))
+
+
+def test_bad_individual_rewards_and_feedback_name_the_users_function(task_folder):
+    folder, module = task_folder
+    (folder / f"{module}_bad.py").write_text(
+        "def per_agent(completions, item):\n    return [1.0]\n"
+        "def feedback(item, history):\n    return [1, 2]\n")
+    env = _task(module, individual_reward=f"{module}_bad:per_agent", feedback=f"{module}_bad:feedback")
+    item = env.items()[0]
+    requests = [(item, ["q", "a"], ())]
+    with pytest.raises(EnvironmentOutputError, match=rf"^{module}_bad:per_agent returned \[1.0\]"):
+        checked_individual_rewards(env, requests, env.individual_rewards_many(requests))
+    step = Step(("o", "o"), ("a", "b"), RewardResult(0.0))
+    with pytest.raises(EnvironmentOutputError, match=rf"^{module}_bad:feedback returned \[1, 2\]"):
+        checked_observations(env, "next_observations", item, env.next_observations(item, [step]))
 
 
 def test_a_template_field_the_data_lacks_fails_at_construction_naming_the_item(task_folder):

@@ -103,6 +103,11 @@ class Environment(ABC):
         """Score many joint actions; the default scores them one by one."""
         return [self.joint_reward(item, actions, history) for item, actions, history in requests]
 
+    def function_behind(self, method: str) -> str | None:
+        """The name of a user's function that ``method`` calls to do its work (the reward function behind
+        ``joint_reward``), for errors about what it returned; None: the method is the task's own code."""
+        return None
+
     def user_code(self) -> Sequence[Any]:
         """Functions of users' modules the task calls besides its class's own (a saved team records the
         folders they import from)."""

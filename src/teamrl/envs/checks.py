@@ -41,6 +41,9 @@ def user_function(env: Environment, method: str) -> str:
         if method == "observe":
             return f"{type(env.inner).__name__}.single_agent_observation"
         env = env.inner
+    named = env.function_behind(method)
+    if named is not None:
+        return named
     single = _ONE_AT_A_TIME.get(method)
     if single is not None and getattr(type(env), method) is getattr(Environment, method):
         method = single
@@ -53,7 +56,7 @@ def checked_observations(env: Environment, method: str, item: Item, observations
     if (isinstance(observations, str) or not isinstance(observations, Sequence)
             or len(observations) != env.num_agents or not all(isinstance(o, str) for o in observations)):
         raise EnvironmentOutputError(
-            f"{user_function(env, method)} returned {_short(observations)} for {_item(item)}; it must return a "
+            f"{user_function(env, method)} returned {short_repr(observations)} for {_item(item)}; it must return a "
             f"list of {env.num_agents} strings, one observation per agent")
     return list(observations)
 
@@ -69,25 +72,25 @@ def checked_reward(env: Environment, item: Item, result: Any, method: str = "joi
     parts and counts are finite numbers."""
     function = user_function(env, method)
     if not isinstance(result, RewardResult):
-        raise EnvironmentOutputError(f"{function} returned {_short(result)} for {_item(item)}; it must return a "
+        raise EnvironmentOutputError(f"{function} returned {short_repr(result)} for {_item(item)}; it must return a "
                                      f"teamrl.rewards.base.RewardResult")
     if not isinstance(result.total, numbers.Real):
-        raise EnvironmentOutputError(f"{function} returned a total that is not a number ({_short(result.total)}) "
-                                     f"for {_item(item)}: {_short(result)}")
+        raise EnvironmentOutputError(f"{function} returned a total that is not a number ({short_repr(result.total)}) "
+                                     f"for {_item(item)}: {short_repr(result)}")
     if not math.isfinite(result.total):
         raise EnvironmentOutputError(f"{function} returned a non-finite total ({result.total!r}) for {_item(item)}: "
-                                     f"{_short(result)}")
+                                     f"{short_repr(result)}")
     for field in ("parts", "counts"):
         values = getattr(result, field)
         if not isinstance(values, Mapping):
             raise EnvironmentOutputError(f"{function} returned {field} that are not a dict of name -> number "
-                                         f"for {_item(item)}: {_short(result)}")
+                                         f"for {_item(item)}: {short_repr(result)}")
         for name, value in values.items():
             problem = ("that is not a number" if not isinstance(value, numbers.Real)
                        else "that is not finite" if not math.isfinite(value) else None)
             if problem:
                 raise EnvironmentOutputError(f"{function} returned a {field[:-1]} {name!r} {problem} "
-                                             f"({_short(value)}) for {_item(item)}: {_short(result)}")
+                                             f"({short_repr(value)}) for {_item(item)}: {short_repr(result)}")
     return result
 
 
@@ -108,7 +111,7 @@ def checked_individual_rewards(env: Environment, requests: Sequence[Request], re
         if (isinstance(per_agent, str) or not isinstance(per_agent, Sequence) or len(per_agent) != env.num_agents
                 or not all(isinstance(r, numbers.Real) and math.isfinite(r) for r in per_agent)):
             raise EnvironmentOutputError(
-                f"{user_function(env, method)} returned {_short(per_agent)} for {_item(item)}; it must return a "
+                f"{user_function(env, method)} returned {short_repr(per_agent)} for {_item(item)}; it must return a "
                 f"list of {env.num_agents} finite numbers, one reward per agent")
     return [[float(r) for r in per_agent] for per_agent in rewards]
 
@@ -117,14 +120,14 @@ def _require_one_per_request(env: Environment, method: str, requests: Sequence[R
                              what: str) -> None:
     """Raise unless ``results`` is a sequence of one entry per request."""
     function = user_function(env, method)
-    items = _short(list(dict.fromkeys(_item_id(item) for item, _, _ in requests)))
+    items = short_repr(list(dict.fromkeys(_item_id(item) for item, _, _ in requests)))
     if isinstance(results, str) or not isinstance(results, Sequence):
-        raise EnvironmentOutputError(f"{function} returned {_short(results)} for {len(requests)} joint actions "
+        raise EnvironmentOutputError(f"{function} returned {short_repr(results)} for {len(requests)} joint actions "
                                      f"(items {items}); it must return a list of one {what} per joint action")
     if len(results) != len(requests):
         raise EnvironmentOutputError(
             f"{function} returned {len(results)} result(s) for {len(requests)} joint actions (items {items}); it "
-            f"must return one {what} per joint action, in order: {_short(results)}")
+            f"must return one {what} per joint action, in order: {short_repr(results)}")
 
 
 def _item_id(item: Any) -> Any:
@@ -137,7 +140,7 @@ def _item(item: Item) -> str:
     return f"item {item_id!r}" if item_id is not None else "an item with no id"
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """``repr(value)`` on one line, cut to :data:`MAX_VALUE_CHARS`."""
     text = repr(value).replace("\n", "\\n")
     return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + "..."

@@ -26,7 +26,6 @@ this (its own observations per turn, batched grading), subclass :class:`~teamrl.
 from __future__ import annotations
 
 import inspect
-import math
 import re
 import string
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 
 from teamrl.data import DataError, has_splits, holdout_split, load_records, source_kind
 from teamrl.envs.base import Environment, Item, Step, register_env
+from teamrl.envs.checks import EnvironmentOutputError, short_repr
 from teamrl.imports import import_path_of, load_object, search_folders
 from teamrl.rewards.base import RewardResult
 
@@ -104,6 +104,12 @@ class DatasetTask(Environment):
     def user_code(self) -> list[Callable[..., Any]]:
         return [fn for fn in (self.reward_fn, self.individual_fn, self.feedback_fn) if fn is not None]
 
+    def function_behind(self, method: str) -> str | None:
+        function = {"joint_reward": self.reward_fn, "joint_rewards": self.reward_fn,
+                    "individual_rewards": self.individual_fn, "individual_rewards_many": self.individual_fn,
+                    "next_observations": self.feedback_fn}.get(method)
+        return _name(function) if function is not None else None
+
     def observe(self, item: Item) -> list[str]:
         return [prompt.format_map(item) for prompt in self.prompts]
 
@@ -120,55 +126,39 @@ class DatasetTask(Environment):
         return [answers.get(seat, "") for seat in range(1, self.num_agents + 1)]
 
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
+        """The reward function's value as a RewardResult; whether it is a good one is checked where teamrl
+        takes it (:mod:`teamrl.envs.checks`, whose errors name the function)."""
         value = _call(self.reward_fn, list(actions), item, history)
-        return reward_result(value, _name(self.reward_fn), item)
+        if isinstance(value, RewardResult):
+            return value
+        if isinstance(value, dict) and _all_numbers(value.values()):
+            return RewardResult(sum(value.values()), {str(part): float(v) for part, v in value.items()})
+        if _all_numbers([value]):
+            return RewardResult(float(value))
+        raise EnvironmentOutputError(f"{_name(self.reward_fn)} returned {short_repr(value)} for item "
+                                     f"{item.get('id')!r}; a reward function returns a number, a dict of numbers or "
+                                     f"a RewardResult")
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
         if self.individual_fn is None:
             return super().individual_rewards(item, actions, history)
-        values = _call(self.individual_fn, list(actions), item, history)
-        name = _name(self.individual_fn)
-        if not isinstance(values, (list, tuple)) or len(values) != self.num_agents:
-            raise ValueError(f"{name} returned {values!r:.120} for item {item.get('id')!r}: return a list of "
-                             f"{self.num_agents} numbers, one per agent")
-        return [_number(value, f"{name} (agent {seat})", item) for seat, value in enumerate(values)]
+        return _call(self.individual_fn, list(actions), item, history)
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         if self.feedback_fn is None:
             return super().next_observations(item, history)
-        name = _name(self.feedback_fn)
         texts = self.feedback_fn(item, list(history))
         if isinstance(texts, str):
             texts = [texts] * self.num_agents
         if (not isinstance(texts, (list, tuple)) or len(texts) != self.num_agents
                 or not all(isinstance(text, str) for text in texts)):
-            raise ValueError(f"{name} returned {texts!r:.120} for item {item.get('id')!r}: return a string for "
-                             f"every agent, or a list of {self.num_agents} strings")
+            return texts  # refused where teamrl takes the observations, naming the feedback function
         return [f"{first}\n\nYour previous answer:\n{own}\n\nFeedback:\n{text}"
                 for first, own, text in zip(self.observe(item), history[-1].actions, texts)]
 
 
-def reward_result(value: Any, name: str, item: Item) -> RewardResult:
-    """A reward function's return value as a :class:`RewardResult`: a number is the total, a dict of
-    numbers the parts (the total their sum); every value finite, else one line naming ``name`` (the
-    function), the item's id and the value."""
-    if isinstance(value, RewardResult):
-        _number(value.total, name, item)
-        for part, number in {**value.parts, **value.counts}.items():
-            _number(number, f"{name} (part {part!r})", item)
-        return value
-    if isinstance(value, dict):
-        parts = {str(part): _number(number, f"{name} (part {part!r})", item) for part, number in value.items()}
-        return RewardResult(sum(parts.values()), parts)
-    return RewardResult(_number(value, name, item))
-
-
-def _number(value: Any, name: str, item: Item) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        what = "a non-finite number" if isinstance(value, float) else f"a {type(value).__name__}"
-        raise ValueError(f"{name} returned {value!r:.120} ({what}) for item {item.get('id')!r}: a reward must be "
-                         f"a finite number, a dict of finite numbers or a RewardResult")
-    return float(value)
+def _all_numbers(values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
 def _function(spec: str | Callable[..., Any] | None, field: str) -> Callable[..., Any] | None:
