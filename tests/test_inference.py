@@ -81,3 +81,21 @@ def test_generate_text_on_a_task_that_takes_no_text_says_what_it_takes(tiny_conf
     code, out, err = _generate(capsys, str(directory), "--text", "hello")
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "--text: digit_sum" in err and "'target'" in err and "--split eval" in err and "--input-file" in err
+
+
+def test_run_team_texts_are_agent_major_with_each_inputs_samples_in_consecutive_rows(tiny_config):
+    # observations[input][agent] in, texts[agent][input * num_samples + sample] out (run_team's docstring).
+    trainer = Trainer(tiny_config(steps=1, env={"kwargs": {"targets": [2, 9, 13, 17]}},
+                                  team={"training": "lora", "sampling": {"max_new_tokens": 4, "temperature": 1e-6}}))
+    with torch.no_grad():
+        for agent in trainer.team:
+            for p in agent.parameters:
+                p.normal_(0, 0.5)
+    observations = [trainer.env.observe(item) for item in trainer.env.items("eval")[:3]]  # three targets
+    output = run_team(trainer.team, observations, num_samples=2)
+    assert len(output.texts) == len(trainer.team)
+    for i, agent in enumerate(trainer.team):
+        alone = generate(agent, [agent.prompt(obs[i]) for obs in observations], 2).texts
+        assert output.texts[i] == alone  # agent i's own completions, in generate's order...
+        # ...which, greedy in effect, shows each input's two samples side by side, the inputs' answers differing
+        assert alone[0::2] == alone[1::2] and len(set(alone)) == len(observations)

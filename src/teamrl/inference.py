@@ -19,7 +19,9 @@ class TeamOutput:
     """What a team produced for a batch of observations."""
 
     texts: list[list[str]]
-    """texts[i][row]: agent i's completion for observation row ``row`` (``num_samples`` rows per input)."""
+    """Agent-major: ``texts[i][input * num_samples + sample]`` is agent i's completion ``sample`` of input
+    ``input`` (``num_samples`` consecutive rows per input), so ``[texts[i][row] for i in range(len(team))]``
+    is the joint action of row ``row``. Note the transpose of :func:`run_team`'s ``observations[input][i]``."""
     tokens: int
     """Generated tokens, all agents together."""
     seconds: float
@@ -32,7 +34,14 @@ class TeamOutput:
 
 def run_team(team: Team, observations: list[list[str]], num_samples: int = 1, *,
              labels: list[str] | None = None) -> TeamOutput:
-    """Each agent i generates from ``observations[row][i]`` for every row; returns all agents' texts.
+    """Each agent i generates ``num_samples`` completions from ``observations[input][i]`` for every input,
+    from its own prompt only; returns all agents' texts, agent-major.
+
+    ``observations`` is input-major (one list per input, one observation per agent: what
+    :meth:`~teamrl.envs.base.Environment.observe` returns for an item); the output is agent-major:
+    ``output.texts[i][input * num_samples + sample]`` is agent i's completion ``sample`` of ``input``. The joint
+    action of sample ``s`` of input ``k``, in agent order (what :meth:`~teamrl.envs.base.Environment.joint_reward`
+    scores), is therefore ``[texts[k * num_samples + s] for texts in output.texts]``.
 
     Raises:
         ValueError: a prompt does not fit its model's context (:func:`check_context`).
