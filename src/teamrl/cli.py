@@ -195,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "envs":
             from teamrl.envs import ENVIRONMENTS
+            from teamrl.imports import ENVIRONMENT_GROUP, entry_point, entry_point_names
 
-            for name, factory in sorted(ENVIRONMENTS.items()):
+            installed = {name: entry_point(ENVIRONMENT_GROUP, name) for name in entry_point_names(ENVIRONMENT_GROUP)}
+            for name, factory in sorted({**ENVIRONMENTS, **installed}.items()):
                 summary = (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else ""
                 print(f"{name:16s} {summary}")
+            print("Your own: env.name=module:Class (docs/environments.md)")
             return 0
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"teamrl: error: {err}", file=sys.stderr)
@@ -305,7 +308,7 @@ def _generate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from teamrl.envs.base import make_env
+    from teamrl.envs.base import rebuild_env
     from teamrl.envs.checks import checked_reward
 
     manifest_file = Path(args.team) / "team.json"
@@ -316,7 +319,7 @@ def _generate(args: argparse.Namespace) -> int:
     if "env" not in manifest:
         raise ValueError(f"{args.team}: team.json names no environment to turn inputs into prompts")
     env_name = manifest["env"]["name"]
-    env = make_env(env_name, **manifest["env"].get("kwargs", {}))
+    env = rebuild_env(manifest["env"])
     if args.text:
         source, labels = "--text", [f"--text {i}" for i in range(1, len(args.text) + 1)]
         items = [{"id": f"input-{i}", "text": text} for i, text in enumerate(args.text, 1)]

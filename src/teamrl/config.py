@@ -142,7 +142,8 @@ class TeamConfig:
 class EnvConfig:
     """The task: which environment and its options."""
 
-    name: str = _doc("Registered environment name (see `teamrl envs`).", "digit_sum")
+    name: str = _doc("The task: a registered environment (`teamrl envs`), 'dataset' (a task from data, prompts and "
+                     "a reward function: docs/environments.md) or your class as module:Class.", "digit_sum")
     kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
 
 
@@ -546,6 +547,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {str(file)!r} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(file)!r} must hold a mapping of fields, got {type(data).__name__}")
+        if file.parent.resolve() != PRESETS_DIR.resolve():
+            from teamrl.imports import add_search_folder
+
+            add_search_folder(file.parent)  # users' modules the config names (module:function) sit beside it
     _drop_kwargs_of_another_env(data, overrides or [])
     for override in overrides or []:
         _apply_override(data, override)

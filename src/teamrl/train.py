@@ -38,7 +38,7 @@ from teamrl.checkpoint import (
     save_checkpoint,
 )
 from teamrl.config import TrainConfig, config_to_dict
-from teamrl.envs.base import Environment, Item, make_env
+from teamrl.envs.base import Environment, Item, env_record, make_env
 from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
@@ -150,7 +150,10 @@ class Trainer:
             _require("wandb", "logging.wandb_project")
         seed_everything(config.seed)
         # The algorithm's view of the task (centralized: one agent doing every seat's part).
-        self.env = make_environment(config, env if env is not None else make_env(config.env.name, **config.env.kwargs))
+        self.task = env if env is not None else make_env(config.env.name, **config.env.kwargs)
+        """The task as given or configured (:attr:`env` is the algorithm's view of it)."""
+        self.env = make_environment(config, self.task)
+        self._task_record = task_record(self.task)
         if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
             raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
                              f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
@@ -284,17 +287,18 @@ class Trainer:
         return self.agents.team
 
     def save_team(self, directory: str | Path | None = None) -> Path:
-        """Save the trained team (default ``run_dir/team``) with the environment it was trained on.
+        """Save the trained team (default ``run_dir/team``) with how to build the task it was trained on
+        (the environment object given to the Trainer, else the config's; :func:`~teamrl.envs.base.env_record`),
+        so that ``teamrl generate`` and ``teamrl eval`` run it on the same task.
 
         Raises:
             NonFiniteWeights: a weight is NaN or inf (nothing is written).
         """
-        env = {"name": self.config.env.name, "kwargs": self.config.env.kwargs}
         directory = directory or self.run_dir / TEAM_DIR
         require_finite(dict(zip(self.agent_names, self.agents.states())), f"team {directory}")
         return self.agents.save(directory,
-                                metadata={"env": env, "algorithm": self.config.algorithm.name, "seed": self.config.seed,
-                                          "step": self.step})
+                                metadata={"env": self._task_record, "algorithm": self.config.algorithm.name,
+                                          "seed": self.config.seed, "step": self.step})
 
     def save(self) -> Path:
         """Checkpoint the current step.
@@ -317,7 +321,6 @@ class Trainer:
                 else f"no checkpoint was written yet: fix the cause, then start again {ask_for('overwrite')}")
         when = ", before its update" if isinstance(err, EnvironmentOutputError) else ""
         return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{when}: {err}; {what}")
-
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:
@@ -443,6 +446,17 @@ class Trainer:
         if every and (self.step % every == 0 or self.step == 1):
             with open(self.run_dir / SAMPLES_FILE, "a") as f:
                 f.write(json.dumps({"step": self.step, "samples": _samples(self._last_tree)}) + "\n")
+
+
+def task_record(task: Environment) -> dict[str, Any]:
+    """:func:`~teamrl.envs.base.env_record` of ``task``; where the task cannot be written down (a class in
+    ``__main__``), a record saying why, which :func:`~teamrl.envs.base.rebuild_env` reports, and a warning
+    now, before training rather than after it."""
+    try:
+        return env_record(task)
+    except ValueError as err:
+        log.warning("the saved team will not be able to rebuild its task for teamrl generate/eval: %s", err)
+        return {"name": type(task).__qualname__, "unavailable": str(err)}
 
 
 def _samples(tree: magrpo.Rollout, per_turn: int = 2) -> list[dict[str, Any]]:
