@@ -76,7 +76,7 @@ def test_bad_values_name_the_field(data, field):
 
 def test_held_out_evaluation_is_on_about_four_times_a_run_unless_set():
     config = config_from_dict({})
-    assert (config.eval.every_steps, config.eval.items, config.eval.samples, config.eval.seed) == (None, 16, 2, 0)
+    assert (config.eval.every_steps, config.eval.items, config.eval.samples, config.eval.seed) == (None, 8, 2, 0)
     assert [config.eval.interval(steps) for steps in (1, 4, 8, 24, 60, 1000)] == [1, 1, 2, 6, 15, 250]
     assert config_from_dict({"eval": {"every_steps": 5}}).eval.interval(100) == 5
     assert config_from_dict({"eval": {"every_steps": 0}}).eval.interval(100) == 0  # off

@@ -381,7 +381,8 @@ class EvalConfig:
     every_steps: int | None = _doc(
         "Evaluate at step 0, every N steps and at the last step; empty = about 4 times a run; 0 = off.", None
     )
-    items: int = _doc("Held-out items per evaluation (the 'eval' split's first ones).", 16)
+    items: int = _doc("Held-out items per evaluation (the 'eval' split's first ones); each costs about as much as "
+                      "a training step's item.", 8)
     samples: int = _doc("Joint actions sampled per held-out item.", 2)
     seed: int = _doc("Sampling seed of every evaluation, apart from `seed`: each one, and each run, draws alike.", 0)
 
