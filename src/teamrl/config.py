@@ -131,6 +131,13 @@ class TeamConfig:
             _check_model_spec(agent.model or self.model,
                               f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
 
+    def num_models(self) -> int:
+        """How many models the team holds: one per agent when fully fine-tuned, one per base with LoRA
+        (agents on the same base share it), as :meth:`teamrl.team.Team.from_config` builds them."""
+        if self.training == "full":
+            return len(self.agents)
+        return len({agent.model or self.model for agent in self.agents})
+
     def agent_sampling(self, index: int) -> SamplingConfig:
         """The team's sampling settings with agent ``index``'s overrides applied."""
         overrides = self.agents[index].sampling
@@ -420,11 +427,13 @@ class RolloutConfig:
         "transformers",
     )
     gpu_memory_utilization: float = _doc(
-        "vLLM: share of the GPU's memory each engine takes, in (0, 1]; the rest trains.", 0.5
+        "vLLM: share of the GPU's memory all engines take together, in (0, 1]; n engines get 1/n of it each; the "
+        "rest trains.", 0.5
     )
     max_model_len: int = _doc("vLLM: prompt + completion tokens the KV cache holds; 0 = the model's own limit.", 0)
     sleep_between_rollouts: bool = _doc(
-        "vLLM: free the engines' GPU memory while the agents update (docs/performance.md#enabling-it).", False
+        "vLLM: free the engine's GPU memory while the agents update; one engine only, i.e. LoRA agents on one base "
+        "(docs/performance.md#enabling-it).", False
     )
 
     def validate(self, path: str) -> None:
@@ -444,6 +453,17 @@ class RolloutConfig:
             _check(importlib.util.find_spec("vllm") is not None, f"{path}.backend",
                    "'vllm' needs the vllm package: pip install \"teamrl[vllm]\", or use 'transformers'",
                    self.backend)
+
+
+#: The temperatures vLLM samples at as asked: ``SamplingParams`` rejects more than 2 (vLLM 0.33) and raises values
+#: below 0.01 to 0.01.
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+
+
+def vllm_sleep_mode_rule(engines: int) -> str:
+    """Why ``rollout.sleep_between_rollouts`` cannot serve a team that needs ``engines`` vLLM engines."""
+    return (f"vLLM allows one sleep-mode engine per process and this team needs {engines} (one per model it holds); "
+            "set it to false, or train LoRA adapters on one shared base (one engine)")
 
 
 @dataclass
@@ -525,6 +545,21 @@ class TrainConfig:
             _check(self.rollout.backend == "transformers", "rollout.backend",
                    "must be 'transformers' with distributed.backend='ray' (the agent actors sample themselves)",
                    self.rollout.backend)
+        if self.rollout.backend == "vllm":
+            self._check_vllm_limits()
+
+    def _check_vllm_limits(self) -> None:
+        """What vLLM refuses, or silently changes, for this team: checked here so that it fails at load time."""
+        low, high = VLLM_TEMPERATURE_RANGE
+        for i, agent in enumerate(self.team.agents):
+            where = f"team.agents[{i}].sampling" if "temperature" in agent.sampling else "team.sampling"
+            temperature = self.team.agent_sampling(i).temperature
+            _check(low <= temperature <= high, f"{where}.temperature",
+                   f"must be in [{low}, {high}] with rollout.backend='vllm' (vLLM rejects more than {high} and samples "
+                   f"below {low} at {low}, not at the temperature the update trains)", temperature)
+        engines = self.team.num_models()
+        _check(not (self.rollout.sleep_between_rollouts and engines > 1), "rollout.sleep_between_rollouts",
+               vllm_sleep_mode_rule(engines), self.rollout.sleep_between_rollouts)
 
 
 # --------------------------------------------------------------------------------------------------

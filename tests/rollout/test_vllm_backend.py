@@ -2,36 +2,35 @@
 
 Everything but vLLM itself is checked on any machine: the config's errors, the conversion of vLLM's
 outputs into a Generation, the exported base weights, change detection, and the sampler's whole
-protocol (engines, adapter versions, weight pushes, request layout) against a stand-in ``vllm`` module
-inside a real training step. The tests marked ``gpu`` run the real engine and skip elsewhere.
+protocol (engines, adapter versions, weight pushes, prefix-cache resets, request layout) against the strict
+stand-in ``vllm`` of conftest.py inside a real training step. The tests marked ``gpu`` run the real engine and
+skip elsewhere; test_vllm_contract.py checks teamrl's arguments against the installed vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import math
 import os
-import random
-import sys
-import types
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from teamrl.algorithms.logprobs import token_logprobs
-from teamrl.config import ConfigError, RolloutConfig, config_from_dict, load_config
-from teamrl.models.tiny import tiny_tokenizer
+from teamrl.config import ConfigError, RolloutConfig, SamplingConfig, config_from_dict, load_config
+from teamrl.models.tiny import tiny_model, tiny_tokenizer
 from teamrl.rollout.generate import encode_prompts, generate_team
 from teamrl.rollout.vllm_backend import (
     VLLMBackend,
     VLLMSampler,
+    engine_kwargs,
+    engine_memory_share,
     export_model,
     generation_from_outputs,
+    lora_request_kwargs,
+    sampling_kwargs,
     vllm_lora_rank,
     weights_version,
 )
@@ -81,6 +80,42 @@ def test_rollout_defaults_to_transformers_and_round_trips_overrides():
     assert config.rollout == RolloutConfig(gpu_memory_utilization=0.25, sleep_between_rollouts=True)
 
 
+@contextlib.contextmanager
+def _vllm_can_run_here():
+    """The config's check that vLLM can run here (a CUDA GPU, the package), passed on this machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        find_spec = importlib.util.find_spec
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+        yield
+
+
+@pytest.mark.parametrize("sampling, agents, field", [
+    ({"temperature": 2.5}, [{"name": "a"}, {"name": "b"}], "team.sampling.temperature"),
+    ({"temperature": 0.005}, [{"name": "a"}, {"name": "b"}], "team.sampling.temperature"),
+    ({}, [{"name": "a"}, {"name": "b", "sampling": {"temperature": 3.0}}], r"team.agents\[1\].sampling.temperature"),
+])
+def test_vllm_refuses_temperatures_it_would_reject_or_change(tiny_config_data, sampling, agents, field):
+    data = tiny_config_data(team={"training": "lora", "sampling": sampling, "agents": agents},
+                            rollout={"backend": "vllm"})
+    with _vllm_can_run_here(), pytest.raises(ConfigError, match=rf"^{field}: must be in \[0.01, 2.0\]") as err:
+        config_from_dict(data)
+    assert "rollout.backend='vllm'" in str(err.value) and "\n" not in str(err.value)
+    data["rollout"]["backend"] = "transformers"
+    config_from_dict(data)  # transformers samples at any temperature > 0
+
+
+def test_sleep_mode_with_more_than_one_engine_is_refused_at_load_time(tiny_config_data):
+    full = tiny_config_data(team={"training": "full"}, rollout={"backend": "vllm", "sleep_between_rollouts": True})
+    with _vllm_can_run_here(), pytest.raises(ConfigError) as err:
+        config_from_dict(full)  # a fully fine-tuned team of two: an engine each
+    message = str(err.value)
+    assert message.startswith("rollout.sleep_between_rollouts: vLLM allows one sleep-mode engine per process and "
+                              "this team needs 2") and "\n" not in message
+    with _vllm_can_run_here():  # LoRA agents on one base: one engine
+        assert config_from_dict({**full, "team": {**full["team"], "training": "lora"}}).rollout.sleep_between_rollouts
+
+
 def test_transformers_backend_samples_in_this_process(tiny_config):
     from teamrl.backend import LocalBackend
 
@@ -90,10 +125,7 @@ def test_transformers_backend_samples_in_this_process(tiny_config):
 def _vllm_trainer(tiny_config, **overrides) -> Trainer:
     """A Trainer on the vLLM backend (with the fake_vllm fixture, on this GPU-less machine)."""
     rollout = {"backend": "vllm", **overrides.pop("rollout", {})}
-    with pytest.MonkeyPatch.context() as patch:  # the config's check that vLLM can run here
-        patch.setattr(torch.cuda, "is_available", lambda: True)
-        find_spec = importlib.util.find_spec
-        patch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    with _vllm_can_run_here():
         config = tiny_config(rollout=rollout, **overrides)
     return Trainer(config)
 
@@ -103,24 +135,36 @@ def _vllm_trainer(tiny_config, **overrides) -> Trainer:
 # ------------------------------------------------------------------------------------------------
 
 
-def completion(token_ids: list[int], logprobs: list[float] | None = None) -> SimpleNamespace:
-    """A stand-in for vLLM's CompletionOutput: the sampled ids and, per position, {sampled id: Logprob}."""
-    values = logprobs if logprobs is not None else [-0.1 * (k + 1) for k in range(len(token_ids))]
-    return SimpleNamespace(token_ids=token_ids, logprobs=[
-        {token: SimpleNamespace(logprob=value), 99: SimpleNamespace(logprob=-9.0)}  # a top-k entry: ignored
-        for token, value in zip(token_ids, values)])
+@pytest.fixture
+def outputs(vllm_standin):
+    """``outputs(completions, ...)``: a stand-in RequestOutput of those completions; ``outputs.completion(ids,
+    logprobs)`` one CompletionOutput, with the sampled ids and per position {sampled id: Logprob, a top-k entry}."""
+    vllm = vllm_standin
+
+    def completion(token_ids: list[int], logprobs: list[float] | None = None):
+        values = logprobs if logprobs is not None else [-0.1 * (k + 1) for k in range(len(token_ids))]
+        return vllm.CompletionOutput(index=0, text="", token_ids=token_ids, cumulative_logprob=None, logprobs=[
+            {token: vllm.Logprob(value), 99: vllm.Logprob(-9.0)}  # the top-k entry is ignored
+            for token, value in zip(token_ids, values)])
+
+    def request_output(*completions):
+        return vllm.RequestOutput(request_id="0", prompt=None, prompt_token_ids=[3], outputs=list(completions))
+
+    request_output.completion = completion
+    return request_output
 
 
-def test_outputs_become_a_generation_laid_out_like_generate():
+def test_outputs_become_a_generation_laid_out_like_generate(outputs):
     tokenizer = tiny_tokenizer(WORDS)
     a, b, c, d = (tokenizer.convert_tokens_to_ids(w) for w in "abcd")
     prompt_ids = torch.tensor([[PAD, a, b], [c, d, EOS]])  # left-padded; a chat prompt may end with EOS
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    outputs = [
-        SimpleNamespace(outputs=[completion([c, EOS]), completion([d, d, d, d])]),   # stopped; length-capped
-        SimpleNamespace(outputs=[completion([EOS]), completion([a, EOS, b], [-1.0, -2.0, -3.0])]),
+    completion = outputs.completion
+    answers = [
+        outputs(completion([c, EOS]), completion([d, d, d, d])),   # stopped; length-capped
+        outputs(completion([EOS]), completion([a, EOS, b], [-1.0, -2.0, -3.0])),
     ]
-    gen = generation_from_outputs(outputs, prompt_ids, prompt_mask, 2, [EOS], tokenizer)
+    gen = generation_from_outputs(answers, prompt_ids, prompt_mask, 2, [EOS], tokenizer)
 
     assert gen.prompt_ids.tolist() == [[PAD, a, b]] * 2 + [[c, d, EOS]] * 2  # 2 consecutive rows per prompt
     assert gen.prompt_mask.tolist() == [[0, 1, 1]] * 2 + [[1, 1, 1]] * 2
@@ -133,31 +177,59 @@ def test_outputs_become_a_generation_laid_out_like_generate():
     assert gen.num_tokens == 9
 
 
-def test_padding_of_a_short_row_is_never_trained_when_pad_is_not_eos():
+def test_padding_of_a_short_row_is_never_trained_when_pad_is_not_eos(outputs):
     tokenizer = tiny_tokenizer(WORDS)
     a = tokenizer.convert_tokens_to_ids("a")
-    outputs = [SimpleNamespace(outputs=[completion([a, a, a]), completion([a])])]  # the second hit max_model_len
-    gen = generation_from_outputs(outputs, torch.tensor([[a]]), torch.tensor([[1]]), 2, [EOS], tokenizer)
+    answers = [outputs(outputs.completion([a, a, a]), outputs.completion([a]))]  # the second hit max_model_len
+    gen = generation_from_outputs(answers, torch.tensor([[a]]), torch.tensor([[1]]), 2, [EOS], tokenizer)
     assert gen.completion_ids.tolist() == [[a, a, a], [a, PAD, PAD]]
     assert gen.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
-def test_missing_logprobs_give_zeros_and_a_wrong_count_is_an_error():
+def test_missing_logprobs_give_zeros_and_a_wrong_count_is_an_error(outputs):
     tokenizer = tiny_tokenizer(WORDS)
     a = tokenizer.convert_tokens_to_ids("a")
-    bare = SimpleNamespace(token_ids=[a, EOS], logprobs=None)
-    gen = generation_from_outputs([SimpleNamespace(outputs=[bare])], torch.tensor([[a]]), torch.tensor([[1]]), 1,
-                                  [EOS], tokenizer)
+    bare = outputs.completion([a, EOS])
+    bare.logprobs = None  # as vLLM answers a request with logprobs=None
+    gen = generation_from_outputs([outputs(bare)], torch.tensor([[a]]), torch.tensor([[1]]), 1, [EOS], tokenizer)
     assert gen.sampling_logprobs.tolist() == [[0.0, 0.0]] and gen.completion_mask.tolist() == [[1, 1]]
     with pytest.raises(ValueError, match="expected 2 completions for each of 1 prompts, got 1"):
-        generation_from_outputs([SimpleNamespace(outputs=[bare])], torch.tensor([[a]]), torch.tensor([[1]]), 2,
-                                [EOS], tokenizer)
+        generation_from_outputs([outputs(bare)], torch.tensor([[a]]), torch.tensor([[1]]), 2, [EOS], tokenizer)
 
 
 def test_vllm_lora_rank_is_the_smallest_allowed_one_that_fits():
     assert [vllm_lora_rank(r) for r in (1, 8, 9, 64, 300, 512)] == [8, 8, 16, 64, 320, 512]
     with pytest.raises(ValueError, match="team.lora.r"):
         vllm_lora_rank(513)
+
+
+# ------------------------------------------------------------------------------------------------
+# the arguments teamrl gives vLLM (test_vllm_contract.py checks them against the real vLLM)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_engine_kwargs_for_a_full_model_and_for_lora_adapters():
+    full = engine_kwargs("/m", torch.bfloat16, gpu_memory_utilization=0.25, max_model_len=0, sleep_mode=False)
+    assert full == {"model": "/m", "skip_tokenizer_init": True, "dtype": "bfloat16", "gpu_memory_utilization": 0.25,
+                    "logprobs_mode": "processed_logprobs", "enable_sleep_mode": False}
+    lora = engine_kwargs("/m", torch.float32, gpu_memory_utilization=0.5, max_model_len=512, sleep_mode=True,
+                         lora_rank=20, num_adapters=3)
+    assert lora == {**full, "dtype": "float32", "gpu_memory_utilization": 0.5, "enable_sleep_mode": True,
+                    "max_model_len": 512, "enable_lora": True, "max_lora_rank": 32, "max_loras": 3, "max_cpu_loras": 3}
+
+
+def test_engines_split_the_configured_share_of_the_gpu():
+    assert engine_memory_share(0.5, 1) == 0.5 and engine_memory_share(0.5, 2) == 0.25
+
+
+def test_sampling_and_lora_request_kwargs(vllm_standin, tmp_path):
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
+    kwargs = sampling_kwargs(sampling, 4, [1, 2], seed=7)
+    assert kwargs == {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 12, "stop_token_ids": [1, 2],
+                      "logprobs": 0, "detokenize": False, "seed": 7}
+    vllm_standin.SamplingParams(**kwargs)  # the stand-in's copy of vLLM's checks accepts them
+    request = vllm_standin.LoRARequest(**lora_request_kwargs("first-v1", 1, tmp_path))
+    assert (request.lora_name, request.lora_int_id, request.lora_path) == ("first-v1", 1, str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,70 +276,24 @@ def test_weights_version_changes_with_every_update_and_checkpoint_load_only(tiny
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class FakeLoRARequest:
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
+@pytest.mark.parametrize("make, error", [
+    (lambda v, d: v.LLM(d, enable_lora=True, max_lora_rank=4), "max_lora_rank"),
+    (lambda v, d: v.LLM(d, logprobs_mode="logprobs"), "logprobs_mode"),
+    (lambda v, d: v.LLM(d, gpu_memory_utilization=0.96), "Free memory on device"),
+    (lambda v, d: [v.LLM(d, enable_sleep_mode=True, gpu_memory_utilization=0.1) for _ in range(2)], "Sleep mode"),
+    (lambda v, d: v.SamplingParams(temperature=2.5), "temperature must be in"),
+    (lambda v, d: v.SamplingParams(logprobs=-2), "logprobs"),
+    (lambda v, d: v.LoRARequest("a", 0, "/adapter"), "id must be > 0"),
+])
+def test_the_stand_in_refuses_what_vllm_refuses(fake_vllm, tmp_path, make, error):
+    import vllm  # the stand-in, as the sampler imports it
+    from vllm.lora.request import LoRARequest
 
-
-class FakeSamplingParams(SimpleNamespace):
-    pass
-
-
-class FakeLLM:
-    """Records how teamrl drives vLLM's ``LLM`` and answers with random completions that honour the params."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        self.calls: list[tuple[list, list, list | None]] = []
-        self.loaded: list[list[str]] = []
-        self.events: list[str] = []
-        self.rng = random.Random(0)
-
-    def generate(self, prompts, sampling_params, *, use_tqdm=True, lora_request=None):
-        self.events.append("generate")
-        self.calls.append((prompts, sampling_params, lora_request))
-        if lora_request is not None:  # the adapter must be on disk when vLLM is asked to load it
-            assert all(Path(r.lora_path, "adapter_model.safetensors").is_file() for r in lora_request)
-        return [SimpleNamespace(outputs=[self._complete(params) for _ in range(params.n)])
-                for params in sampling_params]
-
-    def _complete(self, params) -> SimpleNamespace:
-        tokens = []
-        while len(tokens) < params.max_tokens:
-            tokens.append(self.rng.choice([*params.stop_token_ids, 3, 4, 5, 6]))
-            if tokens[-1] in params.stop_token_ids:
-                break  # vLLM keeps the stop token in token_ids
-        return completion(tokens, [-self.rng.random() for _ in tokens])
-
-    def apply_model(self, fn):
-        return [fn(SimpleNamespace(load_weights=lambda weights: self.loaded.append([n for n, _ in weights])))]
-
-    def sleep(self, level):
-        self.events.append(f"sleep{level}")
-
-    def wake_up(self):
-        self.events.append("wake_up")
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    """A ``vllm`` module with LLM, SamplingParams and vllm.lora.request.LoRARequest; yields the engines made."""
-    engines: list[FakeLLM] = []
-
-    def make_llm(**kwargs):
-        engines.append(FakeLLM(**kwargs))
-        return engines[-1]
-
-    module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = make_llm, FakeSamplingParams
-    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
-    request.LoRARequest = FakeLoRARequest
-    for name, value in {"vllm": module, "vllm.lora": lora, "vllm.lora.request": request}.items():
-        monkeypatch.setitem(sys.modules, name, value)
-    return engines
+    vllm.LoRARequest = LoRARequest  # monkeypatched module: gone after the test
+    tiny_model(16).save_pretrained(tmp_path)
+    with pytest.raises((ValueError, AssertionError), match=error):
+        make(vllm, str(tmp_path))
+    assert vllm.SamplingParams(temperature=0.001).temperature == 0.01  # vLLM raises it, with a warning
 
 
 def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, fake_vllm):
@@ -282,7 +308,7 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     kwargs = engine.kwargs
     assert kwargs["enable_lora"] and kwargs["max_loras"] == 2 and kwargs["max_lora_rank"] == 8
     assert kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "float32" and kwargs["gpu_memory_utilization"] == 0.3
-    assert kwargs["logprobs_mode"] == "processed_logprobs" and "max_model_len" not in kwargs
+    assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["max_model_len"] is None
     exported = AutoModelForCausalLM.from_pretrained(kwargs["model"])
     assert not any("lora" in name for name in exported.state_dict())
 
@@ -296,6 +322,7 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     observations = [trainer.env.observe(item) for item in trainer._last_tree.turns[0].items]
     ids, mask = encode_prompts(first, [first.prompt(obs[0]) for obs in observations])
     assert [p["prompt_token_ids"] for p in prompts[:items]] == [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    assert all(isinstance(p, type(params[0])) for p in params)
     sampling = params[0]
     assert (sampling.n, sampling.max_tokens, sampling.top_k, sampling.logprobs) == (8, 4, 0, 0)
     assert sampling.stop_token_ids == first.eos_token_ids and not sampling.detokenize
@@ -308,26 +335,67 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
 
     trainer.evaluate(max_items=2)  # samples the weights of the second update
     assert {a.lora_int_id for a in engine.calls[-1][2]} == {5, 6}
-    trainer.evaluate(max_items=2)  # no update since: nothing is rewritten
+    trainer.evaluate(max_items=2)  # no update since: nothing is rewritten, the prefix cache is kept
     assert {a.lora_int_id for a in engine.calls[-1][2]} == {5, 6}
+    assert engine.events[-2:] == ["generate", "generate"]
     assert len(fake_vllm) == 1 and not engine.loaded
 
 
-def test_full_fine_tuning_pushes_weights_and_sleeps_between_rollouts(tiny_config, fake_vllm):
-    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "full"},
-                            rollout={"sleep_between_rollouts": True, "max_model_len": 256})
+def test_full_fine_tuning_pushes_weights_into_engines_that_share_the_gpu(tiny_config, fake_vllm):
+    # The default share, 0.5, is what both engines take together: at 0.5 each the second would not start.
+    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "full"}, rollout={"max_model_len": 256})
     trainer.train_step()
     assert len(fake_vllm) == 2  # each agent owns its model: an engine each
     for engine in fake_vllm:
-        assert engine.kwargs["enable_sleep_mode"] and engine.kwargs["max_model_len"] == 256
-        assert "enable_lora" not in engine.kwargs and engine.calls[0][2] is None
+        assert engine.kwargs["gpu_memory_utilization"] == 0.25 and engine.kwargs["max_model_len"] == 256
+        assert not engine.kwargs["enable_lora"] and not engine.kwargs["enable_sleep_mode"]
+        assert engine.calls[0][2] is None
         assert not engine.loaded  # started from the current weights: nothing to push yet
     trainer.train_step()
     names = set(trainer.team[0].model.state_dict())
     for engine in fake_vllm:
         (pushed,) = engine.loaded  # once, after the update, every weight by its transformers name
         assert set(pushed) == names
-        assert engine.events == ["generate", "sleep1", "wake_up", "generate", "sleep1"]
+        # the prompts' cached keys and values were computed with the old weights
+        assert engine.events == ["generate", "apply_model", "reset_prefix_cache", "generate"]
+
+
+def test_a_weight_push_resets_the_prefix_cache(tiny_config, fake_vllm, tmp_path):
+    """After a push the engine samples what a fresh engine on the new weights samples (vLLM keeps the old
+    weights' keys and values of every cached prompt until its prefix cache is reset)."""
+    trainer = Trainer(tiny_config(steps=1))  # fully fine-tuned: weights go in with load_weights
+    prompts = [[agent.prompt(obs[i]) for obs in (trainer.env.observe(it) for it in trainer.items[:3])]
+               for i, agent in enumerate(trainer.team)]
+    rollout = RolloutConfig(backend="vllm", gpu_memory_utilization=0.2)
+    sampler = VLLMSampler(rollout, workdir=tmp_path)
+    sampler.generate_team(trainer.team, prompts, 2, seed=3)  # caches every prompt
+    with torch.no_grad():
+        for agent in trainer.team:
+            for p in agent.parameters:
+                p.add_(torch.randn_like(p) * 0.1)
+    after_push = sampler.generate_team(trainer.team, prompts, 2, seed=3)
+    fresh = VLLMSampler(rollout, workdir=tmp_path).generate_team(trainer.team, prompts, 2, seed=3)
+    for pushed, started_on_them in zip(after_push, fresh):
+        assert torch.equal(pushed.completion_ids, started_on_them.completion_ids)
+
+
+def test_sleep_mode_sleeps_the_engine_between_rollouts(tiny_config, fake_vllm):
+    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "lora"}, rollout={"sleep_between_rollouts": True})
+    trainer.train_step()
+    trainer.train_step()
+    (engine,) = fake_vllm  # LoRA agents on one base: the one sleep-mode engine vLLM allows in a process
+    assert engine.kwargs["enable_sleep_mode"]
+    # every push (here the adapters' first versions, then the update's) is followed by a reset of the prefix cache
+    assert engine.events == ["reset_prefix_cache", "generate", "sleep1",
+                             "wake_up", "reset_prefix_cache", "generate", "sleep1"]
+
+
+def test_the_sampler_refuses_sleep_mode_for_several_engines_before_starting_any(tiny_config, fake_vllm, tmp_path):
+    trainer = Trainer(tiny_config(steps=1))  # two fully fine-tuned agents: two engines
+    sampler = VLLMSampler(RolloutConfig(backend="vllm", sleep_between_rollouts=True), workdir=tmp_path)
+    with pytest.raises(ConfigError, match=r"^rollout\.sleep_between_rollouts: vLLM allows one sleep-mode engine"):
+        sampler.generate_team(trainer.team, [["a"], ["b"]], 1)
+    assert not fake_vllm
 
 
 def test_config_picks_the_vllm_backend(tiny_config, fake_vllm):

@@ -8,18 +8,25 @@ sampled by vLLM: its :class:`VLLMSampler` samples every rollout in place of tran
 * One vLLM engine per base model. At its first rollout the sampler exports the weights teamrl holds
   (the frozen base of LoRA agents, or a fully fine-tuned agent's model) to a temporary directory and
   starts an engine on it, so vLLM serves exactly those weights whatever the model spec was (a GGUF, the
-  bundled model, a hub id).
+  bundled model, a hub id). ``rollout.gpu_memory_utilization`` is the share of the GPU all engines take
+  together: n engines get 1/n of it each (each engine checks at start-up that the GPU's free memory covers
+  its own share, so two at the full share would not both start).
 * LoRA agents that share a base share its engine, and all their requests go into one ``generate``
   call, each with its agent's adapter (vLLM batches mixed adapters).
 * Weights are synced lazily, before the first rollout that follows a change: an agent whose trained
   parameters changed since the last push (an optimiser step, a checkpoint load, any in-place write)
   has its adapter written with PEFT to a fresh directory and registered under a new ``LoRARequest`` id
   (vLLM caches adapters by id, so a new id is what makes it load the new weights); a fully fine-tuned
-  agent's weights are loaded into the engine's model with ``load_weights``.
+  agent's weights are loaded into the engine's model with ``load_weights``. After a push the engine's
+  prefix cache is reset: vLLM keys cached prompt blocks by their tokens, not by the weights that computed them.
 * Prompts are tokenised by teamrl (:func:`~teamrl.rollout.generate.encode_prompts`) and completions
   decoded by teamrl, so vLLM never needs the tokenizer. Each request's vLLM seed is drawn from torch's
   RNG, so a run's seed fixes vLLM's samples as it fixes transformers' (up to vLLM's batch-dependent
   numerics).
+
+How teamrl calls vLLM (the engine's, the requests' and the adapters' arguments) is built by the pure
+functions :func:`engine_kwargs`, :func:`sampling_kwargs` and :func:`lora_request_kwargs`, which
+``tests/rollout/test_vllm_contract.py`` checks against the installed vLLM's own classes and signatures.
 
 The sampling log-probs are vLLM's (temperature applied, and top-k/top-p masking, which the transformers
 backend does not apply to them); the trainer recomputes log-probs with its own forward pass, so these
@@ -42,12 +49,12 @@ from typing import Any, Protocol
 import torch
 
 from teamrl.backend import LocalBackend
-from teamrl.config import RolloutConfig, TrainConfig
+from teamrl.config import ConfigError, RolloutConfig, SamplingConfig, TrainConfig, vllm_sleep_mode_rule
 from teamrl.rollout.generate import Generation, completion_mask, decode_completions, derive_seed, encode_prompts, seeded
 from teamrl.team import Agent, Team
 
-# vLLM accepts only these as max_lora_rank.
-_VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+#: The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig``, 0.10.2 to 0.33; 0.33 also takes 1).
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class _Logprob(Protocol):
@@ -139,10 +146,68 @@ def weights_version(agent: Agent) -> tuple[int, ...]:
 
 def vllm_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that fits adapters of rank ``rank``."""
-    for allowed in _VLLM_LORA_RANKS:
+    for allowed in VLLM_LORA_RANKS:
         if rank <= allowed:
             return allowed
-    raise ValueError(f"team.lora.r: vLLM serves LoRA ranks up to {_VLLM_LORA_RANKS[-1]} (got {rank})")
+    raise ValueError(f"team.lora.r: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]} (got {rank})")
+
+
+def engine_memory_share(total: float, num_engines: int) -> float:
+    """Each engine's ``gpu_memory_utilization`` when ``num_engines`` share ``total`` (the config's field).
+
+    vLLM's share is per engine, and each engine checks at start-up that the GPU's free memory covers its own share
+    of the total: the second of two engines at 0.5 finds less than half free (the first holds half, training the
+    rest) and fails. So the config's share is what the rollouts take together, whatever the team's layout.
+    """
+    return total / num_engines
+
+
+def engine_kwargs(model_dir: str | Path, dtype: torch.dtype, *, gpu_memory_utilization: float, max_model_len: int,
+                  sleep_mode: bool, lora_rank: int | None = None, num_adapters: int = 0) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` (fields of vLLM's ``EngineArgs``) for one engine serving ``model_dir``.
+
+    ``lora_rank``: the largest adapter rank of the LoRA agents it serves (None: no adapters), ``num_adapters``
+    their number; ``max_model_len`` 0 leaves the model's own limit.
+    """
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,  # teamrl tokenises the prompts and decodes the completions
+        "dtype": str(dtype).removeprefix("torch."),
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "logprobs_mode": "processed_logprobs",  # the log-probs of the distribution actually sampled
+        "enable_sleep_mode": sleep_mode,
+    }
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    if lora_rank is not None:
+        # Every agent's adapter is in every rollout batch, so all of them must fit at once.
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=num_adapters,
+                      max_cpu_loras=num_adapters)
+    return kwargs
+
+
+def sampling_kwargs(sampling: SamplingConfig, num_samples: int, stop_token_ids: list[int], seed: int) -> dict[str, Any]:
+    """The arguments of one request's ``vllm.SamplingParams``: ``num_samples`` completions sampled as ``sampling``
+    says, stopping at ``stop_token_ids``, from the random stream ``seed``."""
+    return {
+        "n": num_samples,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,  # 0 = off, in vLLM as in teamrl
+        "max_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),  # vLLM has no tokenizer to take EOS from
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+        "seed": seed,
+    }
+
+
+def lora_request_kwargs(name: str, lora_id: int, path: str | Path) -> dict[str, Any]:
+    """The arguments of the ``vllm.lora.request.LoRARequest`` that serves the adapter saved at ``path``.
+
+    ``lora_id`` must be new for every version of an adapter: vLLM caches adapters by id (and >= 1, vLLM's rule).
+    """
+    return {"lora_name": name, "lora_int_id": lora_id, "lora_path": str(path)}
 
 
 @dataclass
@@ -180,10 +245,14 @@ class VLLMSampler:
         groups: dict[int, list[int]] = {}
         for i, agent in enumerate(team):
             groups.setdefault(id(agent.model), []).append(i)
+        if self.config.sleep_between_rollouts and len(groups) > 1:
+            # Before any engine starts: vLLM would assert when the second sleep-mode engine starts.
+            raise ConfigError(f"rollout.sleep_between_rollouts: {vllm_sleep_mode_rule(len(groups))} (got True)")
+        memory_share = engine_memory_share(self.config.gpu_memory_utilization, len(groups))
         results: dict[int, Generation] = {}
         for key, indices in groups.items():
             agents = [team[i] for i in indices]
-            engine = self._engine(key, agents)
+            engine = self._engine(key, agents, memory_share)
             if engine.asleep:
                 engine.llm.wake_up()
                 engine.asleep = False
@@ -194,7 +263,8 @@ class VLLMSampler:
                 for agent, (ids, mask) in zip(agents, encoded):
                     for row_ids, row_mask in zip(ids, mask):
                         requests.append({"prompt_token_ids": row_ids[row_mask.bool()].tolist()})
-                        params.append(self._sampling_params(agent, num_samples))
+                        params.append(self._vllm.SamplingParams(**sampling_kwargs(
+                            agent.sampling, num_samples, agent.eos_token_ids, seed=int(torch.randint(2**31 - 1, ())))))
                         adapters.append(self._adapters.get(agent.name))
             outputs = engine.llm.generate(requests, params, use_tqdm=False,
                                           lora_request=adapters if agents[0].adapter is not None else None)
@@ -211,26 +281,18 @@ class VLLMSampler:
         return [results[i] for i in range(len(team))]
 
     # ----------------------------------------------------------------------------------------------
-    def _engine(self, key: int, agents: list[Agent]) -> _Engine:
-        """The engine serving ``agents``' shared model, started on first use."""
+    def _engine(self, key: int, agents: list[Agent], memory_share: float) -> _Engine:
+        """The engine serving ``agents``' shared model, started on first use with ``memory_share`` of the GPU."""
         if key in self._engines:
             return self._engines[key]
         first = agents[0]
-        kwargs: dict[str, Any] = {
-            "model": str(export_model(first, self.root / f"model-{len(self._engines)}")),
-            "skip_tokenizer_init": True,
-            "dtype": str(next(first.model.parameters()).dtype).removeprefix("torch."),
-            "gpu_memory_utilization": self.config.gpu_memory_utilization,
-            "logprobs_mode": "processed_logprobs",  # the log-probs of the distribution actually sampled
-            "enable_sleep_mode": self.config.sleep_between_rollouts,
-        }
-        if self.config.max_model_len:
-            kwargs["max_model_len"] = self.config.max_model_len
+        lora_rank = None
         if first.adapter is not None:
-            rank = max(agent.model.peft_config[agent.adapter].r for agent in agents)
-            # Every agent's adapter is in every rollout batch, so all of them must fit at once.
-            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(rank), max_loras=len(agents),
-                          max_cpu_loras=len(agents))
+            lora_rank = max(agent.model.peft_config[agent.adapter].r for agent in agents)
+        kwargs = engine_kwargs(
+            export_model(first, self.root / f"model-{len(self._engines)}"), next(first.model.parameters()).dtype,
+            gpu_memory_utilization=memory_share, max_model_len=self.config.max_model_len,
+            sleep_mode=self.config.sleep_between_rollouts, lora_rank=lora_rank, num_adapters=len(agents))
         with _in_process_engine():
             engine = _Engine(self._vllm.LLM(**kwargs))
         if first.adapter is None:
@@ -239,7 +301,9 @@ class VLLMSampler:
         return engine
 
     def _sync(self, engine: _Engine, agents: list[Agent]) -> None:
-        """Push the weights of every agent in ``agents`` that changed since its last push."""
+        """Push the weights of every agent in ``agents`` that changed since its last push, then reset the engine's
+        prefix cache if anything was pushed."""
+        pushed = False
         for agent in agents:
             version = weights_version(agent)
             if self._pushed.get(agent.name) == version:
@@ -250,6 +314,14 @@ class VLLMSampler:
                 state = agent.model.state_dict()
                 engine.llm.apply_model(lambda model, state=state: model.load_weights(weights=state.items()))
             self._pushed[agent.name] = version
+            pushed = True
+        if pushed:
+            # vLLM's prefix cache keys the prompt blocks it keeps by their tokens (and adapter), not by the weights
+            # that computed them, and only sleep() clears it: after load_weights it would serve the old weights'
+            # keys and values. (A new adapter id has new keys already; the old version's entries are dead weight.)
+            # Older vLLMs return None; False means blocks were in use and nothing was reset.
+            if engine.llm.reset_prefix_cache() is False:
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight push (blocks in use)")
 
     def _publish_adapter(self, agent: Agent) -> Any:
         """Write ``agent``'s adapter to a fresh directory and return the ``LoRARequest`` that serves it."""
@@ -261,22 +333,7 @@ class VLLMSampler:
         previous = self._adapters.get(agent.name)
         if previous is not None:
             shutil.rmtree(previous.lora_path, ignore_errors=True)  # its id is never requested again
-        return LoRARequest(name, lora_id, str(path))
-
-    def _sampling_params(self, agent: Agent, num_samples: int) -> Any:
-        """``agent``'s sampling settings as one request's ``SamplingParams``, seeded from torch's RNG."""
-        sampling = agent.sampling
-        return self._vllm.SamplingParams(
-            n=num_samples,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,  # 0 = off, in vLLM as in teamrl
-            max_tokens=sampling.max_new_tokens,
-            stop_token_ids=agent.eos_token_ids,  # vLLM has no tokenizer to take EOS from
-            logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
-            seed=int(torch.randint(2**31 - 1, ())),
-        )
+        return LoRARequest(**lora_request_kwargs(name, lora_id, path))
 
 
 def _import_vllm() -> Any:
