@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,6 +28,8 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedTokenizerBase,
     StaticCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
@@ -125,13 +127,14 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch
 
 @torch.no_grad()
 def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None, *,
-             seed: int | None = None) -> Generation:
+             seed: int | None = None, should_stop: Callable[[], bool] | None = None) -> Generation:
     """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
 
     ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
     same batch, each row through its own adapter (:class:`RowAdapters`); ``agent`` then only
     supplies the tokenizer and sampling settings. ``seed``: sample from a stream of its own (see
-    :func:`seeded`) instead of torch's global one.
+    :func:`seeded`) instead of torch's global one. ``should_stop``: asked after every decoding step; True ends
+    the call there (the server's way to drop work nobody waits for any more), every row as it stands.
     """
     tokenizer = agent.tokenizer
     device = next(agent.model.parameters()).device
@@ -160,6 +163,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=agent.eos_token_ids,
                 logits_processor=LogitsProcessorList([sampler]),
+                stopping_criteria=StoppingCriteriaList([] if should_stop is None else [_StopWhen(should_stop)]),
             )
     completion_ids = out[:, prompt_ids.shape[1]:]
     mask = completion_mask(completion_ids, agent.eos_token_ids)
@@ -281,7 +285,8 @@ def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) 
 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                  concurrent: bool = False, seed: int | None = None) -> list[Generation]:
+                  concurrent: bool = False, seed: int | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[Generation]:
     """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
 
     Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
@@ -292,7 +297,8 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
 
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
     actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
-    layout. Threads would share torch's one global RNG, hence not with ``concurrent``.
+    layout. Threads would share torch's one global RNG, hence not with ``concurrent``. ``should_stop``: see
+    :func:`generate`.
     """
     groups: dict[int, list[int]] = {}
     for i, agent in enumerate(team):
@@ -308,10 +314,12 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
             all(a.sampling == agents[0].sampling for a in agents)
         if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i)) for i in indices}
+            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i), should_stop=should_stop)
+                    for i in indices}
         rows = [p for i in indices for p in prompts[i]]
         names = [team[i].adapter for i in indices for _ in prompts[i]]
-        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]))
+        merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]),
+                          should_stop=should_stop)
         out, start = {}, 0
         for i in indices:
             stop = start + len(prompts[i]) * num_samples
@@ -328,6 +336,16 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         for indices in groups.values():
             results.update(run_group(indices))
     return [results[i] for i in range(len(team))]
+
+
+class _StopWhen(StoppingCriteria):
+    """Ends a ``generate`` call, every row at once, as soon as ``should_stop()`` says so."""
+
+    def __init__(self, should_stop: Callable[[], bool]):
+        self.should_stop = should_stop
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), bool(self.should_stop()), dtype=torch.bool, device=input_ids.device)
 
 
 class _Sampler(LogitsProcessor):
