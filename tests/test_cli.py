@@ -8,15 +8,15 @@ import sys
 import teamrl
 from teamrl.cli import main
 
-HEAVY = ("torch", "transformers", "peft")
+HEAVY = ("torch", "transformers", "peft", "fastapi", "uvicorn")
 
 
 def test_help_presets_config_and_envs_import_neither_torch_nor_transformers():
-    # What takes seconds to import must not be imported by commands that never need a model.
+    # What takes seconds to import must not be imported by commands that never need a model (nor a web server).
     script = f"""
 import sys
 from teamrl.cli import main
-for argv in (["--help"], ["train", "--help"], ["presets"], ["config"], ["envs"]):
+for argv in (["--help"], ["train", "--help"], ["serve", "--help"], ["presets"], ["config"], ["envs"]):
     try:
         code = main(argv)
     except SystemExit as exit:
@@ -68,3 +68,10 @@ def test_presets_lists_each_preset_with_a_whole_sentence(capsys):
     for name, text in entries.items():
         text = " ".join(text.split())
         assert text.endswith(".") and text.count("(") == text.count(")"), (name, text)  # no sentence cut short
+
+
+def test_serve_refuses_a_folder_that_is_not_a_saved_team(tmp_path, capsys):
+    # Before any model loads or any port is taken: one line saying what to give.
+    assert main(["serve", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a saved team (no team.json)" in err and "RUN_DIR/team" in err

@@ -1,5 +1,5 @@
 """``teamrl`` command line: ``teamrl train CONFIG.yaml [key=value ...] [--resume | --overwrite]``,
-``teamrl generate``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl compare ENV_OR_CONFIG``,
+``teamrl generate``, ``teamrl serve``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl compare ENV_OR_CONFIG``,
 ``teamrl plot RUN_DIR``, ``teamrl presets``, ``teamrl config``, ``teamrl envs``.
 
 Only what a command needs is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs``
@@ -63,6 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--split", default=None, help="instead of inputs, run on this split of the environment")
     gen.add_argument("--limit", type=int, default=4, help="at most this many items from --split or --input-file")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's max_new_tokens")
+
+    serve = commands.add_parser(
+        "serve", parents=[loads_models, runs_models_here],
+        help="serve a saved team on an OpenAI-compatible HTTP API",
+        description="Serve a saved team: POST /v1/chat/completions with model TEAM (the agents answer the last user "
+                    "message's input, each its own observation, concurrently; the parts joined) or TEAM/AGENT (one "
+                    "agent chats), streaming included; GET /v1/models, /health, /metrics. Concurrent requests are "
+                    "batched. SIGTERM or Ctrl-C: requests in flight finish, new ones are refused, exit 0. "
+                    "docs/serving.md#serve.")
+    serve.add_argument("team", help="directory written by training (RUN_DIR/team)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s, this machine only; 0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free one)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' (default: $TEAMRL_API_KEY if set, else no key)")
+    serve.add_argument("--name", default=None,
+                       help="the team's model id (default: the folder's name, or its run's when it is 'team')")
+    serve.add_argument("--batch-window-ms", type=float, default=10.0,
+                       help="requests arriving within this window share one generate call per base model "
+                            "(default: %(default)s; 0: no batching)")
+    serve.add_argument("--max-batch", type=int, default=32, help="most requests in one generate call (default: 32)")
+    serve.add_argument("--max-body-bytes", type=int, default=1_000_000,
+                       help="larger request bodies get 413 (default: %(default)s)")
+    serve.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: %(default)s)")
+    serve.add_argument("--dtype", default="float32", help="model precision, e.g. bfloat16 (default: %(default)s)")
+    serve.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
 
     demo = commands.add_parser("demo", parents=[loads_models, runs_models_here],
                                help="the main job: train a 2-agent team of the bundled model on a CPU",
@@ -165,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "eval":
             return _eval(args)
         if args.command == "compare":
@@ -353,6 +381,27 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"{output.tokens} tokens in {output.seconds:.2f} s: {output.tokens_per_second:.1f} tokens/s, "
           f"{output.seconds / len(items):.2f} s per input (agents concurrently)")
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from teamrl.serve.app import create_app, serve
+    except ImportError as err:
+        raise ValueError(f"teamrl serve needs FastAPI and uvicorn ({err}); pip install 'teamrl[serve]'") from None
+
+    use_threads(args.torch_threads)
+    app = create_app(args.team, name=args.name, api_key=args.api_key or os.environ.get("TEAMRL_API_KEY") or None,
+                     batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                     max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype)
+    served = app.state.served
+
+    def listening(url: str) -> None:
+        print(f"teamrl serve: {', '.join(served.model_ids())} on {url}/v1", flush=True)
+
+    return serve(app, args.host, args.port, access_log=args.access_log,
+                 log_level="info" if args.verbose else "warning", on_listening=listening)
 
 
 def _observations(env: Environment, env_name: str, items: list[Item], source: str) -> list[list[str]]:
