@@ -88,9 +88,17 @@ class Agent:
 
     def save_adapter(self, directory: str | Path) -> Path:
         """Write this agent's LoRA adapter in PEFT's format (``adapter_model.safetensors`` and
-        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM."""
+        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM.
+
+        ``base_model_name_or_path`` names the base as transformers loads it without teamrl
+        (:func:`~teamrl.models.loading.loadable_reference`), the same for every agent on that base: PEFT
+        itself records it for the first adapter of a base only, and as teamrl's cache path or a test
+        model's empty name.
+        """
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
+
+        from teamrl.models.loading import loadable_reference
 
         if self.adapter is None:
             raise ValueError(f"agent {self.name!r} has no LoRA adapter to save (it trains its full model)")
@@ -99,7 +107,10 @@ class Agent:
         state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   str(target / "adapter_model.safetensors"))
-        self.model.peft_config[self.adapter].save_pretrained(str(target))
+        adapter_config = copy.copy(self.model.peft_config[self.adapter])  # the live one stays PEFT's
+        if self.base_spec:  # an agent built outside Team.from_config/from_pretrained keeps what PEFT wrote
+            adapter_config.base_model_name_or_path = loadable_reference(self.base_spec)
+        adapter_config.save_pretrained(str(target))
         return target
 
 

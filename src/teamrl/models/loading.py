@@ -91,6 +91,32 @@ def load_model_and_tokenizer(
     return move_to_device(model, device, spec), tokenizer
 
 
+def loadable_reference(spec: str) -> str | None:
+    """What plain transformers loads for the base model ``spec`` without teamrl, for a PEFT adapter's
+    ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` loads the base from): the absolute path
+    of a model directory (the bundled model's converted one in the teamrl cache), or a hub id.
+
+    None where transformers alone has no such thing: the 'tiny' test model exists only in memory, and
+    PEFT cannot load a ``.gguf`` file as a base (``teamrl export`` writes a loadable base beside the adapters).
+    Absolute, because transformers resolves a relative path against the working directory, not the adapter.
+    """
+    if spec == "tiny":
+        return None
+    if spec == BUNDLED_PREFIX or spec.startswith(f"{BUNDLED_PREFIX}:"):
+        from teamrl.models.bundled import converted_directory, get_bundled_model
+
+        return str(converted_directory(get_bundled_model(spec.partition(":")[2] or None)).absolute())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return str(path.absolute())
+    return spec if is_hub_id(spec) else None
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` names a Hugging Face hub model (``name`` or ``owner/name``) rather than a local path."""
+    return bool(_HUB_ID.match(spec)) and not spec.lower().endswith(".gguf") and not Path(spec).expanduser().exists()
+
+
 def _load_path_or_hub(
     spec: str, dtype: torch.dtype, trust_remote_code: bool
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
