@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="larger request bodies get 413 (default: %(default)s)")
     serve.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: %(default)s)")
     serve.add_argument("--dtype", default="float32", help="model precision, e.g. bfloat16 (default: %(default)s)")
+    serve.add_argument("--max-new-tokens", type=int, default=None,
+                       help="replace every agent's max_new_tokens: the most a request's max_tokens gets")
     serve.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
 
     demo = commands.add_parser("demo", parents=[loads_models, runs_models_here],
@@ -394,7 +396,8 @@ def _serve(args: argparse.Namespace) -> int:
     use_threads(args.torch_threads)
     app = create_app(args.team, name=args.name, api_key=args.api_key or os.environ.get("TEAMRL_API_KEY") or None,
                      batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
-                     max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype)
+                     max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype,
+                     max_new_tokens=args.max_new_tokens)
     served = app.state.served
 
     def listening(url: str) -> None:

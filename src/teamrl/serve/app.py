@@ -151,7 +151,7 @@ class _ClientGone(Exception):
 
 def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_key: str | None = None,
                batch_window_ms: float = 10.0, max_batch: int = 32, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               device: str = "cpu", dtype: str = "float32") -> FastAPI:
+               device: str = "cpu", dtype: str = "float32", max_new_tokens: int | None = None) -> FastAPI:
     """The FastAPI app serving ``team`` (a saved team's directory, RUN_DIR/team, or a loaded
     :class:`ServedTeam`).
 
@@ -163,8 +163,11 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
         max_batch: at most this many requests in one generate call.
         max_body_bytes: larger request bodies get 413 before they are read.
         device, dtype: where and in what precision the models run.
+        max_new_tokens: replaces every agent's own ``max_new_tokens`` (the most a request gets) when ``team``
+            is a directory.
     """
-    served = team if isinstance(team, ServedTeam) else ServedTeam.load(team, name=name, device=device, dtype=dtype)
+    served = team if isinstance(team, ServedTeam) else ServedTeam.load(team, name=name, device=device, dtype=dtype,
+                                                                       max_new_tokens=max_new_tokens)
     if name is not None:
         served.name = name
     if batch_window_ms < 0 or max_batch < 1 or max_body_bytes < 1:

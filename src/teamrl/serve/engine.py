@@ -123,11 +123,12 @@ class ServedTeam:
         self.example_item = {key: value for key, value in items[0].items() if key != "id"} if items else {}
 
     @classmethod
-    def load(cls, team_dir: str | Path, *, name: str | None = None, device: str = "cpu",
-             dtype: str = "float32") -> ServedTeam:
+    def load(cls, team_dir: str | Path, *, name: str | None = None, device: str = "cpu", dtype: str = "float32",
+             max_new_tokens: int | None = None) -> ServedTeam:
         """Load the team saved in ``team_dir`` (RUN_DIR/team) and rebuild its task from ``team.json``.
         ``name``: the model id clients ask for (default: the folder's name, or its run's when the folder is
-        called 'team')."""
+        called 'team'). ``max_new_tokens``: replaces every agent's own, the most a request's ``max_tokens``
+        gets (as ``teamrl generate --max-new-tokens``)."""
         from teamrl.envs.base import rebuild_env
 
         root = Path(team_dir)
@@ -139,7 +140,11 @@ class ServedTeam:
         if "env" not in manifest:
             raise ValueError(f"{team_dir}: team.json names no task to turn requests into the agents' observations")
         env = rebuild_env(manifest["env"])
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens: must be >= 1 (got {max_new_tokens})")
         team = Team.from_pretrained(root, env, device=device, dtype=dtype)
+        for agent in team if max_new_tokens is not None else ():
+            agent.sampling = dataclasses.replace(agent.sampling, max_new_tokens=max_new_tokens)
         resolved = root.resolve()
         default = resolved.parent.name if resolved.name == "team" and resolved.parent.name else resolved.name
         return cls(team, env, name or default)
