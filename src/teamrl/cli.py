@@ -174,6 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a teamrl train run")
     plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png)")
 
+    export = commands.add_parser(
+        "export", parents=[loads_models],
+        help="export a saved team for plain transformers/peft, with model cards",
+        description="Write per agent a folder plain transformers/peft load without teamrl (a Hugging Face repo: "
+                    "README.md model card, weights, tokenizer, generation_config.json with its sampling settings), "
+                    "and the team's card OUT/README.md. --format peft: LoRA adapters referring to their base, saved "
+                    "once in OUT/base; merged: each adapter merged into a full checkpoint. docs/serving.md#export.")
+    export.add_argument("team", help="directory written by training (RUN_DIR/team)")
+    export.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    export.add_argument("--format", choices=("peft", "merged"), default="peft",
+                        help="peft: LoRA adapters + OUT/base; merged: a full checkpoint per agent "
+                             "(default: %(default)s)")
+    export.add_argument("--base-path", default=None,
+                        help="--format peft: what each adapter's base_model_name_or_path says, exactly (a hub id or "
+                             "path where the base will be); default: OUT/base's absolute path")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+
     commands.add_parser("config", help="list every config field with its default and meaning")
     commands.add_parser("envs", help="list the registered environments")
     commands.add_parser("presets", help="list the configs shipped with teamrl")
@@ -204,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"reward curve: {plot_run(args.run_dir, args.out)}")
             return 0
+        if args.command == "export":
+            return _export(args)
         if args.command == "demo":
             from teamrl.demo import run_demo
 
@@ -315,6 +334,16 @@ def _print_report(runs: dict, out: Path) -> int:
     files = write_report(runs, out)
     print((out / "results.md").read_text())
     print("Written: " + ", ".join(str(path) for path in files.values()))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from teamrl.export import export_team
+
+    out = export_team(args.team, args.out, format=args.format, base_path=args.base_path, overwrite=args.overwrite)
+    for folder in sorted(path for path in out.iterdir() if path.is_dir()):
+        print(f"{folder}/")
+    print(f"model card: {out / 'README.md'}")
     return 0
 
 
