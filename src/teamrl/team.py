@@ -92,8 +92,7 @@ class Agent:
 
         ``base_model_name_or_path`` names the base as transformers loads it without teamrl
         (:func:`~teamrl.models.loading.loadable_reference`), the same for every agent on that base: PEFT
-        itself records it for the first adapter of a base only, and as teamrl's cache path or a test
-        model's empty name.
+        itself records the base's name only for the first adapter added to it (later ones get null).
         """
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
