@@ -141,3 +141,20 @@ def test_metrics_count_requests_errors_latency_and_tokens(digits_served, serve_c
     assert metrics["tokens"]["completion"] > 0 and metrics["tokens"]["completion_per_generate_second"] > 0
     text = client.get("/metrics", params={"format": "prometheus"}).text
     assert 'teamrl_requests_total{status="404"} 1' in text and 'teamrl_latency_seconds{quantile="0.99"}' in text
+
+
+def test_max_new_tokens_replaces_every_agents_own_cap(digits_team_dir):
+    from teamrl.serve.engine import ServedTeam
+
+    served = ServedTeam.load(digits_team_dir, max_new_tokens=9, name="renamed")
+    assert [agent.sampling.max_new_tokens for agent in served.team] == [9, 9]
+    assert served.model_ids() == ["renamed", "renamed/first", "renamed/second"]
+    assert served.sampling(served.team[0], max_tokens=50, temperature=0, top_p=None).max_new_tokens == 9
+
+
+def test_a_draining_server_refuses_new_requests_with_503(digits_served, serve_client):
+    client = serve_client(digits_served)
+    client.app.state.draining = True  # what SIGTERM sets (tests/serve/test_server.py runs the real signal)
+    response = _chat(client, "digits", DIGITS_ITEM)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"
+    assert client.get("/health").status_code == 503
