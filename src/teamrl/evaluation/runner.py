@@ -186,8 +186,8 @@ def task_source(target: str) -> tuple[str | None, list[str]]:
         return target, []
     if target in ENVIRONMENTS or is_import_path(target) or entry_point(ENVIRONMENT_GROUP, target) is not None:
         return None, [f"env.name={target}"]
-    raise ValueError(f"ENV_OR_CONFIG: {target!r} is neither an environment ({', '.join(sorted(ENVIRONMENTS))}) "
-                     f"nor a config file or preset ({', '.join(presets())})")
+    raise ValueError(f"ENV_OR_CONFIG: {target!r} is neither an environment ({', '.join(sorted(ENVIRONMENTS))}, "
+                     f"or yours as module:Class) nor a config file or preset ({', '.join(presets())})")
 
 
 def eval_config(target: str, overrides: Sequence[str] = (), model: str | None = None) -> TrainConfig:
