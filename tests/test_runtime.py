@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from teamrl import runtime
 from teamrl.cli import main
 from teamrl.runtime import busy_machine_warning, use_threads
 
@@ -20,6 +21,7 @@ def machine(monkeypatch):
 
     def set_machine(load: float, cores: int) -> None:
         monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        monkeypatch.setattr(runtime, "other_runnable_now", lambda: load)
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
 
     return set_machine
@@ -41,6 +43,12 @@ def test_a_busy_machine_is_named_in_one_line_with_the_threads_that_fit(machine, 
 def test_threads_the_machine_has_room_for_need_no_warning(machine, load, cores, threads):
     machine(load, cores)
     assert busy_machine_warning(threads) is None
+
+
+def test_a_load_average_that_only_trails_an_earlier_command_is_no_reason_to_warn(machine, monkeypatch):
+    machine(1.2, 2)  # the average right after another teamrl command...
+    monkeypatch.setattr(runtime, "other_runnable_now", lambda: 0)  # ...which has ended: nothing else runs
+    assert busy_machine_warning(2) is None
 
 
 def test_the_warning_is_for_torchs_own_count_only(machine, monkeypatch, capsys):

@@ -68,6 +68,17 @@ def use_threads(threads: int | None) -> None:
         print(warning, file=sys.stderr)
 
 
+def other_runnable_now() -> float:
+    """Processes running or ready to run right now besides this one (Linux's /proc/loadavg); infinity
+    where the system does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = f.read().split()[3].split("/")[0]
+    except (OSError, IndexError):
+        return math.inf
+    return max(0, int(runnable) - 1)
+
+
 def busy_machine_warning(threads: int) -> str | None:
     """One line saying what to set when ``threads`` torch threads would contend with the machine's other
     work (its 1-minute load average), else ``None``.
@@ -77,7 +88,9 @@ def busy_machine_warning(threads: int) -> str | None:
     threads as on one.
     """
     try:
-        load = os.getloadavg()[0]
+        # The 1-minute average trails: right after an earlier command it still counts that command's
+        # work. What runs now bounds it.
+        load = min(os.getloadavg()[0], other_runnable_now())
     except (AttributeError, OSError):  # a platform without a load average
         return None
     cores = os.cpu_count() or 1
