@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run teamrl's test suite. Safe to re-run: installs are skipped when present.
+#   bash scripts/test.sh [pytest args]          the fast stage: every test not marked slow (about 3 minutes)
+#   bash scripts/test.sh --slow [pytest args]   the second stage: learning runs, the bundled model, the sandbox
+#                                               on all of HumanEval, Ray (about 7.5 minutes); CI runs both
+#   bash scripts/test.sh --all [pytest args]    both at once
 set -euo pipefail
+STAGE=(-m "not slow")
+case "${1:-}" in
+  --slow) STAGE=(-m slow); shift ;;
+  --all) STAGE=(); shift ;;
+esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
@@ -28,4 +37,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium
 fi
 
-"$PY" -m pytest "$@"
+"$PY" -m pytest ${STAGE[@]+"${STAGE[@]}"} "$@"
