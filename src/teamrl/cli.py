@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dtype", default="float32", help="model precision, e.g. bfloat16 (default: %(default)s)")
     serve.add_argument("--max-new-tokens", type=int, default=None,
                        help="replace every agent's max_new_tokens: the most a request's max_tokens gets")
+    serve.add_argument("--vllm-url", default=None,
+                       help="generate on this vLLM server (e.g. http://127.0.0.1:8001/v1, one LoRA adapter per agent "
+                            "named as the agent) instead of in-process; docs/serving.md#serving-on-a-gpu-with-vllm")
+    serve.add_argument("--vllm-timeout", type=float, default=300.0,
+                       help="seconds to wait for vLLM's answer before a 504 (default: %(default)s)")
     serve.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
 
     demo = commands.add_parser("demo", parents=[loads_models, runs_models_here],
@@ -426,7 +431,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(args.team, name=args.name, api_key=args.api_key or os.environ.get("TEAMRL_API_KEY") or None,
                      batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
                      max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype,
-                     max_new_tokens=args.max_new_tokens)
+                     max_new_tokens=args.max_new_tokens, vllm_url=args.vllm_url, vllm_timeout_s=args.vllm_timeout)
     served = app.state.served
 
     def listening(url: str) -> None:

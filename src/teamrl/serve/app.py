@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from teamrl.serve.engine import AgentAnswer, Batcher, Job, RequestError, ServedTeam
 from teamrl.serve.metrics import ServerMetrics, prometheus_text
+from teamrl.serve.vllm_backend import VLLMBackend
 
 logger = logging.getLogger("teamrl.serve")
 
@@ -151,7 +152,8 @@ class _ClientGone(Exception):
 
 def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_key: str | None = None,
                batch_window_ms: float = 10.0, max_batch: int = 32, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               device: str = "cpu", dtype: str = "float32", max_new_tokens: int | None = None) -> FastAPI:
+               device: str = "cpu", dtype: str = "float32", max_new_tokens: int | None = None,
+               vllm_url: str | None = None, vllm_timeout_s: float = 300.0) -> FastAPI:
     """The FastAPI app serving ``team`` (a saved team's directory, RUN_DIR/team, or a loaded
     :class:`ServedTeam`).
 
@@ -165,6 +167,10 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
         device, dtype: where and in what precision the models run.
         max_new_tokens: replaces every agent's own ``max_new_tokens`` (the most a request gets) when ``team``
             is a directory.
+        vllm_url: generate on the vLLM server at this URL (e.g. http://127.0.0.1:8001/v1, serving one LoRA
+            adapter per agent under the agent's name) instead of in-process; see
+            :class:`~teamrl.serve.vllm_backend.VLLMBackend`. Batching is then vLLM's.
+        vllm_timeout_s: a vLLM request not answered within this many seconds is a 504.
     """
     served = team if isinstance(team, ServedTeam) else ServedTeam.load(team, name=name, device=device, dtype=dtype,
                                                                        max_new_tokens=max_new_tokens)
@@ -174,7 +180,10 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
         raise ValueError(f"batch_window_ms must be >= 0, max_batch and max_body_bytes >= 1 (got {batch_window_ms}, "
                          f"{max_batch}, {max_body_bytes})")
     metrics = ServerMetrics(batch_window_ms)
-    batcher = Batcher(served, metrics, window=batch_window_ms / 1000, max_batch=max_batch)
+    if vllm_url is None:
+        batcher: Batcher | VLLMBackend = Batcher(served, metrics, window=batch_window_ms / 1000, max_batch=max_batch)
+    else:
+        batcher = VLLMBackend(served, metrics, vllm_url, timeout=vllm_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
