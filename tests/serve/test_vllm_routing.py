@@ -29,6 +29,8 @@ class StandInVLLM:
         self.received: list[dict] = []
         self.in_flight = self.most_in_flight = 0
         self.delay = STAND_IN_SECONDS
+        self.disconnected = 0
+        """Requests whose client (teamrl) closed the connection before the answer: vLLM aborts those."""
 
     def app(self):
         app = FastAPI()
@@ -58,7 +60,12 @@ class StandInVLLM:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
-                await asyncio.sleep(self.delay)
+                deadline = time.monotonic() + self.delay
+                while time.monotonic() < deadline:
+                    if await request.is_disconnected():
+                        self.disconnected += 1
+                        return invalid("client gone", 499)
+                    await asyncio.sleep(0.01)
             finally:
                 self.in_flight -= 1
             text = f"{body['model']}: {' '.join(prompt.split()[:3])}"
@@ -177,3 +184,22 @@ def test_vllm_down_is_a_502_and_too_slow_a_504(digits_served, stand_in, live_ser
     response = httpx.post(f"{url}/v1/chat/completions", timeout=10, json=_team_request(digits_served))
     assert response.status_code == 502, response.text
     assert "answered 404" in response.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_closes_its_vllm_requests(digits_served, stand_in, live_server):
+    vllm_url, vllm = stand_in
+    vllm.delay = 5.0
+    url, _ = live_server(digits_served, vllm_url=vllm_url)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{url}/v1/chat/completions", timeout=0.5, json=_team_request(digits_served))
+    deadline = time.monotonic() + 3
+    while vllm.disconnected < 2 or vllm.in_flight:
+        assert time.monotonic() < deadline, f"vLLM's requests were not closed ({vllm.disconnected} of 2)"
+        time.sleep(0.02)
+    while True:  # the job's task ends just after vLLM's connections close
+        metrics = httpx.get(f"{url}/metrics", timeout=5).json()
+        if metrics["requests"]["queued"] == 0:
+            break
+        assert time.monotonic() < deadline, "a job was left waiting on vLLM"
+        time.sleep(0.02)
+    assert metrics["cancelled"]["during_generation"] == 1
