@@ -370,20 +370,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
 
-    from teamrl.envs.base import rebuild_env
+    from teamrl.envs.base import saved_team_task
     from teamrl.envs.checks import checked_reward
 
-    manifest_file = Path(args.team) / "team.json"
-    if not manifest_file.is_file():
-        raise ValueError(f"TEAM: {args.team!r} is not a saved team (no team.json); give the directory training "
-                         f"wrote, RUN_DIR/team")
-    manifest = json.loads(manifest_file.read_text())
-    if "env" not in manifest:
-        raise ValueError(f"{args.team}: team.json names no environment to turn inputs into prompts")
+    manifest, env = saved_team_task(args.team)
     env_name = manifest["env"]["name"]
-    env = rebuild_env(manifest["env"])
     if args.text:
         source, labels = "--text", [f"--text {i}" for i in range(1, len(args.text) + 1)]
         items = [{"id": f"input-{i}", "text": text} for i, text in enumerate(args.text, 1)]

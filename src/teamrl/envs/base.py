@@ -13,6 +13,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from teamrl.registry import registrar
@@ -241,6 +242,19 @@ def env_record(env: Environment) -> dict[str, Any]:
                          f"saved team cannot record them; pass names, numbers, strings, lists and dicts") from None
     folders = sorted({folder for folder in map(module_folder, (cls, *env.user_code())) if folder})
     return {"name": name, "kwargs": arguments, **({"folders": folders} if folders else {})}
+
+
+def saved_team_task(team_dir: str | Path) -> tuple[dict[str, Any], Environment]:
+    """A saved team's manifest (``team.json``) and the task it records, built again (:func:`rebuild_env`);
+    one-line errors for a folder that is not a saved team or a team that records no task."""
+    manifest_file = Path(team_dir) / "team.json"
+    if not manifest_file.is_file():
+        raise ValueError(f"TEAM: {str(team_dir)!r} is not a saved team (no team.json); give the directory training "
+                         f"wrote, RUN_DIR/team")
+    manifest = json.loads(manifest_file.read_text())
+    if "env" not in manifest:
+        raise ValueError(f"{team_dir}: team.json records no task to turn inputs into the agents' observations")
+    return manifest, rebuild_env(manifest["env"])
 
 
 def rebuild_env(record: dict[str, Any]) -> Environment:

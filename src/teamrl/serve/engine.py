@@ -129,17 +129,10 @@ class ServedTeam:
         ``name``: the model id clients ask for (default: the folder's name, or its run's when the folder is
         called 'team'). ``max_new_tokens``: replaces every agent's own, the most a request's ``max_tokens``
         gets (as ``teamrl generate --max-new-tokens``)."""
-        from teamrl.envs.base import rebuild_env
+        from teamrl.envs.base import saved_team_task
 
         root = Path(team_dir)
-        manifest_file = root / "team.json"
-        if not manifest_file.is_file():
-            raise ValueError(f"TEAM: {str(team_dir)!r} is not a saved team (no team.json); give the directory "
-                             f"training wrote, RUN_DIR/team")
-        manifest = json.loads(manifest_file.read_text())
-        if "env" not in manifest:
-            raise ValueError(f"{team_dir}: team.json names no task to turn requests into the agents' observations")
-        env = rebuild_env(manifest["env"])
+        _, env = saved_team_task(root)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens: must be >= 1 (got {max_new_tokens})")
         team = Team.from_pretrained(root, env, device=device, dtype=dtype)
