@@ -274,19 +274,12 @@ class Batcher:
                     job.resolve(err)
 
     def _run(self, batch: list[Job]) -> None:
-        from teamrl.inference import _check_context
-
         live = []
         for job in batch:
             if job.cancelled:
                 self.metrics.cancelled(before_generation=True)
                 continue
-            try:
-                for index, prompt in job.prompts.items():
-                    agent = dataclasses.replace(self.served.team[index], sampling=job.sampling[index])
-                    _check_context(agent, [prompt], [job.inputs[index]], [job.label])
-            except ValueError as err:
-                job.resolve(RequestError(str(err), code="context_length_exceeded", param="messages"))
+            if refused_as_too_long(self.served, job):
                 continue
             job.accept()
             live.append(job)
@@ -333,3 +326,18 @@ class Batcher:
                 completion_tokens += answer.completion_tokens
         self.metrics.generated(requests=len(jobs), rows=len(rows), prompt_tokens=prompt_tokens,
                                completion_tokens=completion_tokens, seconds=seconds)
+
+
+def refused_as_too_long(served: ServedTeam, job: Job) -> bool:
+    """Whether ``job`` was answered with a 400 naming the context limit because an agent's prompt does not
+    fit its model (the check ``teamrl generate`` makes), before any generation."""
+    from teamrl.inference import _check_context
+
+    try:
+        for index, prompt in job.prompts.items():
+            agent = dataclasses.replace(served.team[index], sampling=job.sampling[index])
+            _check_context(agent, [prompt], [job.inputs[index]], [job.label])
+    except ValueError as err:
+        job.resolve(RequestError(str(err), code="context_length_exceeded", param="messages"))
+        return True
+    return False

@@ -19,13 +19,12 @@ a chat template and wherever teamrl passes template options.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
 import httpx
 
-from teamrl.serve.engine import GREEDY_TEMPERATURE, AgentAnswer, Job, RequestError, ServedTeam
+from teamrl.serve.engine import GREEDY_TEMPERATURE, AgentAnswer, Job, RequestError, ServedTeam, refused_as_too_long
 from teamrl.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("teamrl.serve")
@@ -78,15 +77,8 @@ class VLLMBackend:
             job.resolve(err)
 
     async def _answer(self, job: Job) -> None:
-        from teamrl.inference import _check_context
-
         # The same context check as in-process, so an input too long is a 400 naming the limit, not a 502.
-        try:
-            for index, prompt in job.prompts.items():
-                agent = dataclasses.replace(self.served.team[index], sampling=job.sampling[index])
-                _check_context(agent, [prompt], [job.inputs[index]], [job.label])
-        except ValueError as err:
-            job.resolve(RequestError(str(err), code="context_length_exceeded", param="messages"))
+        if refused_as_too_long(self.served, job):
             return
         if job.cancelled:
             self.metrics.cancelled(before_generation=True)
