@@ -75,3 +75,10 @@ def test_serve_refuses_a_folder_that_is_not_a_saved_team(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a saved team (no team.json)" in err and "RUN_DIR/team" in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `teamrl presets | head -1`: the pipe closes while teamrl still writes.
+    result = subprocess.run(f"{sys.executable} -m teamrl.cli presets | head -1", shell=True, capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.count("\n") == 1 and result.stderr == "", result.stderr

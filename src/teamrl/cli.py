@@ -9,6 +9,7 @@ never import torch or transformers (seconds on their own).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import textwrap
@@ -263,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
         print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
         return getattr(err, "exit_code", 128 + signal.SIGINT)
+    except BrokenPipeError:  # `teamrl presets | head`: the reader has all it wanted
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     finally:
         ADVISE_FLAGS.reset(advising_flags)
     return 1
