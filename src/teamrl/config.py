@@ -249,11 +249,19 @@ class AlgorithmConfig:
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
     )
+    max_joint_actions: int | None = _doc(
+        "Cross mode: at most this many joint actions per node; above it, a balanced unbiased sample of the G^n "
+        "(docs/algorithm.md#cross-mode-capping-the-joint-actions); empty = no cap.", None
+    )
     num_turns: int = _doc("T: turns per episode. Turn t>1 observations carry the environment's feedback.", 1)
     discount: float = _doc("gamma in R_t = r_t + gamma * mean(R_{t+1} of the node's children).", 1.0)
     advantage: Literal["mean", "std", "rloo", "none", "max"] | None = _doc(
         "Advantage: 'mean' (Eq. 1), 'std', 'rloo', 'none' or 'max'; empty = the algorithm's own (docs/algorithm.md).",
         None,
+    )
+    normalize_advantages: Literal["none", "agent"] = _doc(
+        "'agent': divide each agent's advantages by its own std over the step (docs/algorithm.md#options); "
+        "'none': as the estimator gives them.", "none"
     )
     logprob_aggregation: Literal["token_sum", "sequence_mean", "token_mean"] = _doc(
         "Aggregation: 'token_sum' (Eq. 2), 'sequence_mean' or 'token_mean' (docs/algorithm.md#options).",
@@ -302,6 +310,12 @@ class AlgorithmConfig:
         _check(self.num_generations >= 2, f"{path}.num_generations",
                "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
         _check(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
+        _check(self.max_joint_actions is None or (isinstance(self.max_joint_actions, int)
+                                                  and self.max_joint_actions >= self.num_generations),
+               f"{path}.max_joint_actions", f"must be empty or an int >= num_generations ({self.num_generations}): "
+               "every sample must be in a joint action", self.max_joint_actions)
+        _check(self.normalize_advantages in ("none", "agent"), f"{path}.normalize_advantages",
+               "must be 'none' or 'agent'", self.normalize_advantages)
         _check(0 <= self.discount <= 1, f"{path}.discount", "must be in [0, 1]", self.discount)
         _check(self.num_iterations >= 1, f"{path}.num_iterations", "must be >= 1", self.num_iterations)
         _check(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)

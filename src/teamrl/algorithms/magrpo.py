@@ -4,7 +4,8 @@ One training step for a batch of items:
 
 1. Rollout (:func:`rollout`). At turn 1 every agent samples G completions of its own observation of
    each item. Joint actions pair them ('aligned': the g-th of every agent, G joint actions; 'cross':
-   every combination, G^n). Each joint action gets one joint reward r. For T > 1, every joint action
+   every combination, G^n, or a balanced random sample of ``max_joint_actions`` of them). Each joint
+   action gets one joint reward r. For T > 1, every joint action
    (unless early termination stopped it) is a node from which the environment gives each agent its next
    observation, and every agent again samples G completions: an aligned tree with G^T leaves.
 2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf of the last turn,
@@ -32,7 +33,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from teamrl.algorithms.advantages import joint_action_combos, sample_advantages, tree_returns
+from teamrl.algorithms.advantages import (
+    joint_action_combos,
+    normalize_per_agent,
+    sample_advantages,
+    tree_returns,
+)
 from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
@@ -104,7 +110,6 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
     """Sample the MAGRPO tree for ``items``: per turn, every agent's G completions of each of its
     observations at once (``sample``, seeded from ``seed`` and the turn)."""
     num_samples, individual = config.num_generations, config.learners == "individual"
-    combos = joint_action_combos(env.num_agents, num_samples, config.joint_mode)
     frontier = [(item, ()) for item in items]
     parents = torch.arange(len(items))
     tree = Rollout()
@@ -116,6 +121,10 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
         generations = sample([[obs[i] for obs in observations] for i in range(env.num_agents)], num_samples,
                              derive_seed(seed, turn))
         seconds = time.perf_counter() - start
+        # Capped cross mode: one balanced random design per turn, shared by the turn's nodes and seeded like
+        # the tokens (a resumed run or a Ray actor draws the same); each node's design is still uniform.
+        combos = joint_action_combos(env.num_agents, num_samples, config.joint_mode, config.max_joint_actions,
+                                     derive_seed(seed, turn, "joint_actions"))
         stopped = torch.zeros(len(frontier), len(combos), dtype=torch.bool)
         record = Turn(parents, [f[0] for f in frontier], [f[1] for f in frontier], observations, generations,
                       combos, [], torch.empty(0), stopped, seconds)
@@ -181,6 +190,8 @@ def advantages(tree: Rollout, num_agents: int,
             channel = turn_returns[:, :, min(i, turn_returns.shape[2] - 1)]  # the shared reward, or agent i's own
             per_agent[i].append(sample_advantages(channel, turn.combos, i, config.num_generations,
                                                   config.advantage_estimator).reshape(-1))  # Eq. 1, per point
+    if config.normalize_advantages == "agent":
+        per_agent = normalize_per_agent(per_agent)
     return per_agent, returns
 
 
