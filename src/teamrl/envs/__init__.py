@@ -1,6 +1,7 @@
 """Environments: the Dec-POMDP interface and the built-in tasks."""
 
 from teamrl.envs import coding as _coding  # noqa: F401  (registers 'humaneval', 'coophumaneval', 'mbpp')
+from teamrl.envs import schedule as _schedule  # noqa: F401  (registers 'schedule')
 from teamrl.envs import writing as _writing  # noqa: F401  (registers 'tldr' and 'arxiv')
 from teamrl.envs.base import ENVIRONMENTS, Environment, Step, make_env, register_env
 from teamrl.envs.checks import EnvironmentOutputError
