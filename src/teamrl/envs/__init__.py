@@ -1,5 +1,6 @@
 """Environments: the Dec-POMDP interface and the built-in tasks."""
 
+from teamrl.envs import build as _build  # noqa: F401  (registers 'build')
 from teamrl.envs import coding as _coding  # noqa: F401  (registers 'humaneval', 'coophumaneval', 'mbpp')
 from teamrl.envs import schedule as _schedule  # noqa: F401  (registers 'schedule')
 from teamrl.envs import writing as _writing  # noqa: F401  (registers 'tldr' and 'arxiv')

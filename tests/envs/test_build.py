@@ -1,0 +1,201 @@
+"""The block world (`build`): world rules, rewards computed by hand, items, observations, a short run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from teamrl.envs import make_env
+from teamrl.envs.base import Step
+from teamrl.envs.build import BuildEnv, parse_commands
+from teamrl.train import Trainer
+
+# A 4 x 2 x 2 grid, two builders: builder 1 owns columns x 0-1, builder 2 x 2-3. Four target blocks.
+ITEM = {"id": "hand", "target": [[0, 0, 0, "R"], [2, 0, 0, "R"], [3, 1, 0, "G"], [0, 0, 1, "G"]]}
+
+
+def env(**kwargs):
+    options = {"width": 4, "depth": 2, "height": 2, "num_types": 2, "num_blocks": 2, "num_train": 2,
+               "num_eval": 1, "max_turns": 2}
+    return BuildEnv(**{**options, **kwargs})
+
+
+def step(build, actions, history=()):
+    return Step(tuple(build.observe(ITEM)), tuple(actions), build.joint_reward(ITEM, actions, history))
+
+
+def test_registered_by_name():
+    assert isinstance(make_env("build", num_agents=3), BuildEnv)
+
+
+def test_shaped_reward_is_iou_change_minus_waste():
+    build = env()
+    first = ["place 0 0 0 R\nplace 0 0 1 G", "place 2 0 0 R\nplace 3 0 0 G"]  # (3, 0, 0) is not in the target
+    reward = build.joint_reward(ITEM, first)
+    # 3 right cells / (4 target + 1 stray) = 0.6; one off-target block costs 0.1.
+    assert reward.parts == pytest.approx({"progress": 0.6, "rejected": 0.0, "collisions": 0.0, "off_target": -0.1})
+    assert reward.total == pytest.approx(0.5)
+    assert reward.counts["iou"] == pytest.approx(0.6)
+    assert build.individual_rewards(ITEM, first) == pytest.approx([2 / 4, 1 / 4 - 0.1])
+
+    history = [step(build, first)]
+    second = ["", "remove 3 0 0\nplace 3 1 0 G"]
+    reward = build.joint_reward(ITEM, second, history)
+    assert reward.total == pytest.approx(0.4)  # 0.6 -> 1.0, no waste: the episode sums to 1.0 - 0.1
+    assert reward.counts["iou"] == 1.0
+    assert build.individual_rewards(ITEM, second, history) == pytest.approx([0.0, 1 / 4])
+
+
+def test_sparse_reward_pays_final_iou_minus_all_waste_at_the_last_turn():
+    build = env(sparse=True)
+    first = ["place 0 0 0 R\nplace 0 0 1 G", "place 2 0 0 R\nplace 3 0 0 G"]
+    assert build.joint_reward(ITEM, first).total == 0.0
+    second = ["", "remove 3 0 0\nplace 3 1 0 G"]
+    reward = build.joint_reward(ITEM, second, [step(build, first)])
+    assert reward.parts == pytest.approx({"iou": 1.0, "waste": -0.1})
+    assert reward.total == pytest.approx(0.9)
+    assert build.max_reward == 1.0
+
+
+def test_collision_when_two_builders_fill_one_cell():
+    build = env()
+    actions = ["place 2 0 0 R", "place 2 0 0 R"]  # builder 1 builds in builder 2's part, then builder 2 collides
+    reward = build.joint_reward(ITEM, actions)
+    assert reward.parts["collisions"] == pytest.approx(-0.1) and reward.parts["rejected"] == 0.0
+    assert reward.total == pytest.approx(0.25 - 0.1)
+    assert reward.counts["collisions"] == 1.0
+    # Builder 1's block is right but outside its part: no individual credit; builder 2 pays its collision.
+    assert build.individual_rewards(ITEM, actions) == pytest.approx([0.0, -0.1])
+    after = build.next_observations(ITEM, [step(build, actions)])
+    assert "rejected place 2 0 0 R: collision, builder 1 placed a block there this turn" in after[1]
+
+
+@pytest.mark.parametrize(("action", "reason"), [
+    ("place 9 0 0 R", "out of bounds"),
+    ("place 0 -1 0 R", "out of bounds"),
+    ("place 0 0 1 G", "floating, nothing below"),
+    ("place 0 0 0 X", "unknown type X"),
+    ("place 0 0 0 Y", "unknown type Y"),  # a real type, but this grid uses R and G only
+    ("place 0 0", "bad syntax, write place X Y Z TYPE"),
+    ("place a 0 0 R", "bad syntax, X Y Z must be whole numbers: place X Y Z TYPE"),
+    ("remove 1 1 1", "nothing there"),
+])
+def test_invalid_commands_are_rejected_with_a_reason(action, reason):
+    build = env()
+    reward = build.joint_reward(ITEM, [action, ""])
+    assert reward.total == pytest.approx(-0.1) and reward.parts["rejected"] == pytest.approx(-0.1)
+    assert build.individual_rewards(ITEM, [action, ""]) == pytest.approx([-0.1, 0.0])
+    feedback = build.next_observations(ITEM, [step(build, [action, ""])])[0]
+    assert f"rejected {action}: {reason}" in feedback
+
+
+def test_occupied_and_block_on_top():
+    build = env()
+    actions = ["place 0 0 0 R\nplace 0 0 0 G\nplace 0 0 1 G\nremove 0 0 0", ""]
+    reward = build.joint_reward(ITEM, actions)
+    assert reward.total == pytest.approx(0.5 - 0.2)  # 2 of 4 right, two rejections
+    assert reward.counts["collisions"] == 0.0  # its own block: occupied, not a collision
+    feedback = build.next_observations(ITEM, [step(build, actions)])[0]
+    assert "rejected place 0 0 0 G: occupied" in feedback
+    assert "rejected remove 0 0 0: a block is on top" in feedback
+
+
+def test_command_cap_ignores_extra_commands_at_no_cost():
+    build = env(max_commands=1)
+    actions = ["place 0 0 0 R\nplace 0 0 1 G", ""]
+    assert build.joint_reward(ITEM, actions).total == pytest.approx(0.25)
+    feedback = build.next_observations(ITEM, [step(build, actions)])[0]
+    assert "ignored place 0 0 1 G: over the limit of 1" in feedback
+
+
+def test_parsing_is_lenient_about_layout_and_chatter():
+    commands = parse_commands("Sure! `place 0 0 0 R` then place (1, 0, 0) red remove 1 0 0\n1. place 0 1 0 g extra")
+    assert [(c.verb, c.cell, c.block, c.error) for c in commands] == [
+        ("place", (0, 0, 0), "R", None), ("place", (1, 0, 0), "R", None), ("remove", (1, 0, 0), None, None),
+        ("place", (0, 1, 0), "G", None)]
+    assert parse_commands("no commands here") == []
+
+
+def test_random_strings_never_crash():
+    build = env(num_agents=3, num_types=3)
+    rng = random.Random(0)
+    alphabet = ["place", "remove", "PLACE", "0", "1", "-3", "99999999999999999999", "R", "x", "\n", " ", ",",
+                "é", "1.5", "(", "`", "G", "B", "Y"]
+    for _ in range(200):
+        actions = ["".join(rng.choice(alphabet) + rng.choice(["", " "]) for _ in range(rng.randint(0, 30)))
+                   for _ in range(3)]
+        item = build.items()[0]
+        reward = build.joint_reward(item, actions)
+        history = [Step(tuple(build.observe(item)), tuple(actions), reward)]
+        assert len(build.next_observations(item, history)) == 3
+        assert len(build.individual_rewards(item, actions, history)) == 3
+        assert reward.total <= 1.0
+
+
+def test_items_are_deterministic_supported_and_splits_disjoint():
+    first, again, other = BuildEnv(seed=3), BuildEnv(seed=3), BuildEnv(seed=4)
+    assert first.splits == again.splits and first.splits != other.splits
+    assert len(first.items("train")) == 64 and len(first.items("eval")) == 16
+    structures = {split: {tuple(map(tuple, item["target"])) for item in first.items(split)} for split in first.splits}
+    assert not structures["train"] & structures["eval"]
+    for item in first.items("train"):
+        target = BuildEnv.target(item)
+        assert 4 <= len(target) <= 8
+        assert all(z == 0 or (x, y, z - 1) in target for x, y, z in target)  # every block is supported
+        assert set(target.values()) <= {"R", "G", "B"}
+
+
+def test_copying_the_prompt_lines_builds_the_target():
+    for num_agents, roles in [(2, "region"), (3, "region"), (4, "region"), (3, "type")]:
+        build = BuildEnv(num_agents=num_agents, num_types=max(3, num_agents), roles=roles, num_train=5, num_eval=1)
+        for item in build.items():
+            observations = build.observe(item)
+            assert len(observations) == num_agents
+            actions = [obs.split("(copy these lines):\n")[1].replace("nothing: write no command", "")
+                       for obs in observations]
+            # Type roles: a block may rest on a teammate's, so one pass in seat order need not finish.
+            total = build.joint_reward(item, actions).total
+            assert total == pytest.approx(1.0) if roles == "region" else 0 < total <= 1.0
+
+
+def test_four_agents_own_one_column_each_and_type_roles():
+    build = BuildEnv(num_agents=4)
+    assert [build.owner((x, 0, 0), "R") for x in range(4)] == [0, 1, 2, 3]
+    assert "you build columns x 2." in build.observe(build.items()[0])[2]
+    by_type = BuildEnv(num_agents=3, roles="type", num_types=4)
+    assert [by_type.owner((0, 0, 0), t) for t in "RGBY"] == [0, 1, 2, 0]
+    assert "you build the blocks of type R Y." in by_type.observe(by_type.items()[0])[0]
+    with pytest.raises(ValueError, match="num_agents"):
+        BuildEnv(num_agents=5)
+
+
+def test_next_observations_show_feedback_progress_todo_and_removals():
+    build = env()
+    first = ["place 0 0 0 R", "place 2 0 0 R\nplace 3 0 0 G\nplace 2 0 1 X"]
+    builder1, builder2 = build.next_observations(ITEM, [step(build, first)])
+    assert "Turn 2. Your last commands:\nok place 0 0 0 R\n" in builder1
+    assert "Team progress: 2 of 4 target blocks built." in builder1
+    assert "Still to build in your part (copy these lines):\nplace 0 0 1 G" in builder1
+    assert "Wrong blocks" not in builder1
+    assert "ok place 2 0 0 R\nwrong place 3 0 0 G: not in the target\nrejected place 2 0 1 X: unknown type X" \
+        in builder2
+    assert "Still to build in your part (copy these lines):\nplace 3 1 0 G" in builder2
+    assert "Wrong blocks in your part (remove them, top first):\nremove 3 0 0" in builder2
+
+
+def test_vocabulary_has_the_command_words():
+    words = set(env().vocabulary())
+    assert {"place", "remove", "R", "G", "0", "3", "rejected"} <= words
+
+
+@pytest.mark.slow
+def test_two_step_run_with_three_agents_and_two_turns(tiny_config):
+    config = tiny_config(env={"name": "build", "kwargs": {"num_agents": 3, "max_turns": 2, "num_train": 4,
+                                                           "num_eval": 2}},
+                         team={"agents": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+                               "sampling": {"max_new_tokens": 10}},
+                         algorithm={"num_turns": 2, "num_generations": 2}, items_per_step=1, steps=2)
+    history = Trainer(config).train()
+    assert [metrics["step"] for metrics in history] == [1, 2]
+    assert all(metrics["loss"] == metrics["loss"] for metrics in history)
