@@ -11,9 +11,11 @@ another agent's, so the order of the agents' work across turns matters).
     place X Y Z TYPE
     remove X Y Z
 
-A command starts at the word ``place`` or ``remove`` and takes the words after it up to the next command
-word or the end of the line (commas, brackets and backticks read as spaces; extra words after the
-arguments are ignored; anything outside a command is chatter and is ignored). The first ``max_commands``
+Lines (split at newlines and ``;``) that start with ``place`` or ``remove`` (after a list marker such as
+``-`` or ``1.``) hold commands; other lines are chatter and are ignored, so prose that mentions placing a
+block costs nothing. In a command line, a command runs from its word to the next command word or the end
+of the line (commas, brackets, quotes and backticks read as spaces; words after the arguments are
+ignored), so ``place 0 0 0 R place 1 0 0 G`` on one line is two commands. The first ``max_commands``
 commands of each agent count in a turn; later ones are ignored (listed in the feedback, no cost).
 
 **World rules** (pure functions below, :func:`apply_command`). Commands are applied in seat order: all of
@@ -56,7 +58,8 @@ Cell = tuple[int, int, int]
 World = dict[Cell, str]
 """What is built: cell -> block type."""
 
-_SEPARATORS = re.compile(r"[,;()\[\]`]")
+_SEPARATORS = re.compile(r"[,()\[\]`\"']")
+_MARKER = re.compile(r"[-*>]|\d+[.)]")
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,12 @@ class Record:
 def parse_commands(text: str) -> list[Command]:
     """The commands of one agent's completion, in the order written (see the module docstring)."""
     commands = []
-    for line in str(text).splitlines():
+    for line in re.split(r"[\n;]", str(text)):
         words = _SEPARATORS.sub(" ", line).split()
+        while words and _MARKER.fullmatch(words[0]):  # list markers: "-", "*", "1.", "2)", ">"
+            words = words[1:]
+        if not words or words[0].lower() not in COMMANDS:
+            continue  # chatter: prose that merely mentions placing a block is not a command
         starts = [i for i, word in enumerate(words) if word.lower() in COMMANDS]
         for start, end in zip(starts, [*starts[1:], len(words)]):
             commands.append(_parse_one(words[start].lower(), words[start + 1:end]))
@@ -206,6 +213,13 @@ def generate_target(rng: random.Random, size: Cell, num_blocks: int, types: Sequ
 def _order(cell: Cell) -> tuple[int, int, int]:
     x, y, z = cell
     return (z, x, y)  # lower layers first: copying the lines in order never places a floating block
+
+
+def _reply(lines: Sequence[str]) -> str:
+    """The end of every prompt: the exact lines to write, so that copying them scores."""
+    if not lines:
+        return "Your part is done: reply with nothing."
+    return "Your commands:\n" + "\n".join(lines) + "\nReply with exactly these lines."
 
 
 def _place_line(cell: Cell, block: str) -> str:
@@ -353,11 +367,10 @@ class BuildEnv(Environment):
 
     def _header(self, seat: int) -> str:
         width, depth, height = self.size
-        return (f"Build the target with blocks. Grid: x 0 to {width - 1}, y 0 to {depth - 1}, z 0 to {height - 1}; "
-                f"z 0 is the ground and a block above it needs a block below it.\n"
-                f"You are builder {seat + 1} of {self.num_agents}: you build {self.part(seat)}.\n"
-                f"Write at most {self.max_commands} commands, one per line: place X Y Z TYPE or remove X Y Z. "
-                f"Types: {' '.join(self.types)}.")
+        return (f"You are builder {seat + 1} of {self.num_agents} and build {self.part(seat)} in a {width} x {depth} "
+                f"x {height} grid (x y z; z 0 is the ground, a block needs a block below it). A command is place "
+                f"or remove, then x y z, then the type ({' '.join(self.types)}) for place; at most "
+                f"{self.max_commands}, one per line.")
 
     def _own_lines(self, seat: int, blocks: World) -> list[str]:
         return [_place_line(cell, block) for cell, block in sorted(blocks.items(), key=lambda kv: _order(kv[0]))
@@ -368,8 +381,7 @@ class BuildEnv(Environment):
         observations = []
         for seat in range(self.num_agents):
             lines = self._own_lines(seat, target)
-            todo = "\n".join(lines) if lines else "nothing: write no command"
-            observations.append(f"{self._header(seat)}\nYour part of the target (copy these lines):\n{todo}")
+            observations.append(f"{self._header(seat)}\n{_reply(lines)}")
         return observations
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
@@ -380,18 +392,17 @@ class BuildEnv(Environment):
         observations = []
         for seat in range(self.num_agents):
             own = [r.line() for r in turns[-1] if r.seat == seat]
-            # Wrong blocks in this agent's part: by region, any wrong block in its columns; by type, wrong
-            # blocks of its types (a block of a missing type can only be removed by its owner's word).
+            # Wrong blocks are their placer's part to remove: by region, any wrong block in its columns; by
+            # type, the wrong blocks of its own types.
             wrong = sorted(cell for cell, block in world.items() if target.get(cell) != block
                            and self.owner(cell, block) == seat)
             todo = self._own_lines(seat, missing)
             parts = [self._header(seat),
                      f"Turn {len(history) + 1}. Your last commands:\n" + ("\n".join(own) or "none"),
-                     f"Team progress: {correct} of {len(target)} target blocks built.",
-                     "Still to build in your part (copy these lines):\n" + ("\n".join(todo) or "nothing")]
-            if wrong:
-                parts.append("Wrong blocks in your part (remove them, top first):\n"
-                             + "\n".join(f"remove {x} {y} {z}" for x, y, z in sorted(wrong, key=lambda c: -c[2])))
+                     f"Team progress: {correct} of {len(target)} target blocks built."]
+            # Removals first: a wrong block must go before the right one can take its cell.
+            removals = [f"remove {x} {y} {z}" for x, y, z in sorted(wrong, key=lambda c: -c[2])]
+            parts.append(_reply(removals + todo))
             observations.append("\n".join(parts))
         return observations
 
