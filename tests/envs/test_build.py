@@ -47,6 +47,14 @@ def test_shaped_reward_is_iou_change_minus_waste():
     assert build.individual_rewards(ITEM, second, history) == pytest.approx([0.0, 1 / 4])
 
 
+def test_removing_and_placing_a_block_again_earns_nothing():
+    build = env()
+    history = [step(build, ["place 0 0 0 R", ""])]
+    again = ["remove 0 0 0\nplace 0 0 0 R\nremove 0 0 0\nplace 0 0 0 R", ""]
+    assert build.joint_reward(ITEM, again, history).total == pytest.approx(0.0)
+    assert build.individual_rewards(ITEM, again, history) == pytest.approx([0.0, 0.0])
+
+
 def test_sparse_reward_pays_final_iou_minus_all_waste_at_the_last_turn():
     build = env(sparse=True)
     first = ["place 0 0 0 R\nplace 0 0 1 G", "place 2 0 0 R\nplace 3 0 0 G"]

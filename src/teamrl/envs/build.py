@@ -75,7 +75,8 @@ class Command:
 
 @dataclass(frozen=True)
 class Record:
-    """The world's verdict on one command of agent ``seat``: ``status`` is 'ok', 'rejected' or 'ignored'."""
+    """The world's verdict on one command of agent ``seat``: ``status`` is 'ok', 'wrong' (applied, but the
+    block is not the target's), 'rejected' or 'ignored' (over the command limit)."""
 
     seat: int
     command: Command
@@ -84,6 +85,7 @@ class Record:
     collision: bool = False
     off_target: bool = False
     correct: bool = False
+    removed_correct: bool = False
 
     def line(self) -> str:
         """How the agent sees it: ``ok place 0 0 0 R``, ``rejected remove 1 1 1: nothing there``."""
@@ -163,6 +165,7 @@ def apply_turn(world: World, actions: Sequence[str], target: World, size: Cell, 
             if index >= max_commands:
                 records.append(Record(seat, command, "ignored", f"over the limit of {max_commands}"))
                 continue
+            removed = world.get(command.cell) if command.verb == "remove" else None
             reason = apply_command(world, command, size, types)
             if reason is not None:
                 other = placed_by.get(command.cell) if command.verb == "place" else None
@@ -179,7 +182,7 @@ def apply_turn(world: World, actions: Sequence[str], target: World, size: Cell, 
                                       correct=correct))
             else:
                 placed_by.pop(command.cell, None)
-                records.append(Record(seat, command, "ok"))
+                records.append(Record(seat, command, "ok", removed_correct=target.get(command.cell) == removed))
     return world, records
 
 
@@ -352,14 +355,17 @@ class BuildEnv(Environment):
         return RewardResult(sum(parts.values()), parts, counts)
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
-        """Agent i: its correct blocks placed this turn in its own part / target blocks, minus its own waste."""
+        """Agent i: its correct blocks placed this turn in its own part, less the correct blocks it removed
+        there (so removing and placing a block again earns nothing), / target blocks, minus its own waste."""
         target = self.target(item)
         before, _ = self.replay(item, history)
         _, records = self.turn(item, before, actions)
         rewards = []
         for seat in range(self.num_agents):
             own = [r for r in records if r.seat == seat]
-            correct = sum(1 for r in own if r.correct and self.owner(r.command.cell, r.command.block) == seat)
+            mine = [r for r in own if (r.correct or r.removed_correct)
+                    and self.owner(r.command.cell, target[r.command.cell]) == seat]
+            correct = sum(r.correct for r in mine) - sum(r.removed_correct for r in mine)
             rewards.append(correct / len(target) + sum(self._waste_cost(own)))
         return rewards
 
