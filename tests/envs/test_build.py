@@ -124,6 +124,7 @@ def test_parsing_is_lenient_about_layout_and_chatter():
         ("place", (0, 0, 0), "R", None), ("place", (1, 0, 0), "R", None), ("remove", (1, 0, 0), None, None),
         ("place", (0, 1, 0), "G", None)]
     assert parse_commands("no commands here") == []
+    assert [(c.cell, c.block) for c in parse_commands("1. place 0 3 0R")] == [((0, 3, 0), "R")]
 
 
 def test_random_strings_never_crash():

@@ -14,8 +14,8 @@ another agent's, so the order of the agents' work across turns matters).
 Lines (split at newlines and ``;``) that start with ``place`` or ``remove`` (after a list marker such as
 ``-`` or ``1.``) hold commands; other lines are chatter and are ignored, so prose that mentions placing a
 block costs nothing. In a command line, a command runs from its word to the next command word or the end
-of the line (commas, brackets, quotes and backticks read as spaces; words after the arguments are
-ignored), so ``place 0 0 0 R place 1 0 0 G`` on one line is two commands. The first ``max_commands``
+of the line (commas, brackets, quotes and backticks read as spaces, ``0R`` as ``0 R``; words after the
+arguments are ignored), so ``place 0 0 0 R place 1 0 0 G`` on one line is two commands. The first ``max_commands``
 commands of each agent count in a turn; later ones are ignored (listed in the feedback, no cost).
 
 **World rules** (pure functions below, :func:`apply_command`). Commands are applied in seat order: all of
@@ -59,6 +59,7 @@ World = dict[Cell, str]
 """What is built: cell -> block type."""
 
 _SEPARATORS = re.compile(r"[,()\[\]`\"']")
+_GLUED = re.compile(r"(\d)([A-Za-z])")
 _MARKER = re.compile(r"[-*>]|\d+[.)]")
 
 
@@ -97,7 +98,7 @@ def parse_commands(text: str) -> list[Command]:
     """The commands of one agent's completion, in the order written (see the module docstring)."""
     commands = []
     for line in re.split(r"[\n;]", str(text)):
-        words = _SEPARATORS.sub(" ", line).split()
+        words = _GLUED.sub(r"\1 \2", _SEPARATORS.sub(" ", line)).split()  # "0R" reads as "0 R"
         while words and _MARKER.fullmatch(words[0]):  # list markers: "-", "*", "1.", "2)", ">"
             words = words[1:]
         if not words or words[0].lower() not in COMMANDS:
