@@ -177,6 +177,8 @@ def test_four_agents_own_one_column_each_and_type_roles():
     assert "build the blocks of type R Y in a" in by_type.observe(by_type.items()[0])[0]
     with pytest.raises(ValueError, match="num_agents"):
         BuildEnv(num_agents=5)
+    with pytest.raises(ValueError, match="distinct structures"):
+        BuildEnv(width=2, depth=1, height=1, num_blocks=1, num_types=1, num_train=2, num_eval=1)
 
 
 def test_next_observations_show_feedback_progress_todo_and_removals():

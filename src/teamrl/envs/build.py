@@ -267,6 +267,8 @@ class BuildEnv(Environment):
             raise ValueError(f"env.kwargs.width: region roles need width >= num_agents (got {width})")
         if roles == "type" and num_types < num_agents:
             raise ValueError(f"env.kwargs.num_types: type roles need num_types >= num_agents (got {num_types})")
+        if max_commands < 1:
+            raise ValueError(f"env.kwargs.max_commands: must be >= 1 (got {max_commands})")
         low, high = (num_blocks, num_blocks) if isinstance(num_blocks, int) else tuple(num_blocks)
         if not 1 <= low <= high:
             raise ValueError(f"env.kwargs.num_blocks: an int or [min, max] with 1 <= min <= max (got {num_blocks})")
@@ -297,6 +299,9 @@ class BuildEnv(Environment):
                 continue
             seen.add(key)
             items.append([[*cell, block] for cell, block in sorted(target.items(), key=lambda kv: _order(kv[0]))])
+        if len(items) < num_train + num_eval:
+            raise ValueError(f"env.kwargs: this grid and num_blocks give only {len(items)} distinct structures, "
+                             f"fewer than num_train + num_eval = {num_train + num_eval}")
         train, held = items[:num_train], items[num_train:]
         return {"train": [{"id": f"train-{i}", "target": t} for i, t in enumerate(train)],
                 "eval": [{"id": f"eval-{i}", "target": t} for i, t in enumerate(held)]}
