@@ -162,7 +162,8 @@ def test_copying_the_prompt_lines_builds_the_target():
         for item in build.items():
             observations = build.observe(item)
             assert len(observations) == num_agents
-            actions = [obs.split("Your commands:\n")[1] if "Your commands:" in obs else "" for obs in observations]
+            actions = [obs.split("Copy these lines exactly:\n")[1] if "Copy these" in obs else ""
+                       for obs in observations]
             # Type roles: a block may rest on a teammate's, so one pass in seat order need not finish.
             total = build.joint_reward(item, actions).total
             assert total == pytest.approx(1.0) if roles == "region" else 0 < total <= 1.0
@@ -171,10 +172,10 @@ def test_copying_the_prompt_lines_builds_the_target():
 def test_four_agents_own_one_column_each_and_type_roles():
     build = BuildEnv(num_agents=4)
     assert [build.owner((x, 0, 0), "R") for x in range(4)] == [0, 1, 2, 3]
-    assert "and build columns x 2 in a 4 x 4 x 3 grid" in build.observe(build.items()[0])[2]
+    assert "You build columns x 2 in a 4 x 4 x 3 grid" in build.roles[2]
     by_type = BuildEnv(num_agents=3, roles="type", num_types=4)
     assert [by_type.owner((0, 0, 0), t) for t in "RGBY"] == [0, 1, 2, 0]
-    assert "build the blocks of type R Y in a" in by_type.observe(by_type.items()[0])[0]
+    assert "You build the blocks of type R Y in a" in by_type.roles[0]
     with pytest.raises(ValueError, match="num_agents"):
         BuildEnv(num_agents=5)
     with pytest.raises(ValueError, match="distinct structures"):
@@ -187,11 +188,11 @@ def test_next_observations_show_feedback_progress_todo_and_removals():
     builder1, builder2 = build.next_observations(ITEM, [step(build, first)])
     assert "Turn 2. Your last commands:\nok place 0 0 0 R\n" in builder1
     assert "Team progress: 2 of 4 target blocks built." in builder1
-    assert builder1.endswith("Your commands:\nplace 0 0 1 G\nReply with exactly these lines.")
+    assert builder1.endswith("Copy these lines exactly:\nplace 0 0 1 G")
     assert "ok place 2 0 0 R\nwrong place 3 0 0 G: not in the target\nrejected place 2 0 1 X: unknown type X" \
         in builder2
     # The wrong block's removal comes before the placement that needs its cell cleared.
-    assert builder2.endswith("Your commands:\nremove 3 0 0\nplace 3 1 0 G\nReply with exactly these lines.")
+    assert builder2.endswith("Copy these lines exactly:\nremove 3 0 0\nplace 3 1 0 G")
 
 
 def test_vocabulary_has_the_command_words():

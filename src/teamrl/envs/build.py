@@ -223,7 +223,7 @@ def _reply(lines: Sequence[str]) -> str:
     """The end of every prompt: the exact lines to write, so that copying them scores."""
     if not lines:
         return "Your part is done: reply with nothing."
-    return "Your commands:\n" + "\n".join(lines) + "\nReply with exactly these lines."
+    return "Copy these lines exactly:\n" + "\n".join(lines)
 
 
 def _place_line(cell: Cell, block: str) -> str:
@@ -280,8 +280,9 @@ class BuildEnv(Environment):
         self.max_turns = max_turns
         self.sparse = sparse
         self.waste_cost = waste_cost
-        self.roles = tuple(f"You are builder {seat + 1} of a team of {num_agents}. You write only commands, "
-                           f"one per line." for seat in range(num_agents))
+        # The rules go in the system prompt, so that each observation can stay short and end on the lines
+        # to copy: a 135M model copies a short prompt's lines far more often than a long one's.
+        self.roles = tuple(self._header(seat) for seat in range(num_agents))
         self.splits = self._generate(seed, (low, high), num_train, num_eval)
 
     # ------------------------------------------------------------------------------------------ items
@@ -379,10 +380,10 @@ class BuildEnv(Environment):
 
     def _header(self, seat: int) -> str:
         width, depth, height = self.size
-        return (f"You are builder {seat + 1} of {self.num_agents} and build {self.part(seat)} in a {width} x {depth} "
-                f"x {height} grid (x y z; z 0 is the ground, a block needs a block below it). A command is place "
-                f"or remove, then x y z, then the type ({' '.join(self.types)}) for place; at most "
-                f"{self.max_commands}, one per line.")
+        return (f"You are builder {seat + 1} of a team of {self.num_agents}. You write only commands. You build "
+                f"{self.part(seat)} in a {width} x {depth} x {height} grid (x y z; z 0 is the ground, a block "
+                f"needs a block below it). A command is place or remove, then x y z, then the type "
+                f"({' '.join(self.types)}) for place; at most {self.max_commands}, one per line.")
 
     def _own_lines(self, seat: int, blocks: World) -> list[str]:
         return [_place_line(cell, block) for cell, block in sorted(blocks.items(), key=lambda kv: _order(kv[0]))
@@ -393,7 +394,7 @@ class BuildEnv(Environment):
         observations = []
         for seat in range(self.num_agents):
             lines = self._own_lines(seat, target)
-            observations.append(f"{self._header(seat)}\n{_reply(lines)}")
+            observations.append(_reply(lines))
         return observations
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
@@ -409,8 +410,7 @@ class BuildEnv(Environment):
             wrong = sorted(cell for cell, block in world.items() if target.get(cell) != block
                            and self.owner(cell, block) == seat)
             todo = self._own_lines(seat, missing)
-            parts = [self._header(seat),
-                     f"Turn {len(history) + 1}. Your last commands:\n" + ("\n".join(own) or "none"),
+            parts = [f"Turn {len(history) + 1}. Your last commands:\n" + ("\n".join(own) or "none"),
                      f"Team progress: {correct} of {len(target)} target blocks built."]
             # Removals first: a wrong block must go before the right one can take its cell.
             removals = [f"remove {x} {y} {z}" for x, y, z in sorted(wrong, key=lambda c: -c[2])]
