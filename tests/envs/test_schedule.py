@@ -148,7 +148,8 @@ def test_first_observation_lists_own_slots_as_ready_lines():
     assert "t3: 1 hour with cat. Allowed: t3 tue 9 | t3 tue 10 | t3 tue 11 | t3 tue 12" in first
     assert "t2: 1 hour with bob\nt4: 1 hour with ann cat" in first
     assert "Rules: nobody in two meetings at once; t2 before t4." in first
-    assert first.endswith("e.g. t1 mon 9") and second.endswith("e.g. t2 mon 10")
+    assert first.endswith("and nothing else. For example:\nt1 mon 9\nt3 tue 9")
+    assert second.endswith("For example:\nt2 mon 10\nt4 mon 13")
 
 
 def test_next_observations_show_merged_schedule_broken_rules_and_own_rejections():
@@ -165,13 +166,13 @@ def test_next_observations_show_merged_schedule_broken_rules_and_own_rejections(
 
 
 def test_copying_the_example_line_earns_reward_on_every_generated_item():
-    """What makes the untrained bundled model earn something: each prompt's example line is a valid command."""
+    """What lets the untrained bundled model earn something: each prompt's first example line is a valid command."""
     for num_agents in (2, 3):
         env = ScheduleEnv(num_agents=num_agents, num_tasks=5, num_train=40, num_eval=10)
         for item in env.items("train"):
             for seat, text in enumerate(env.observe(item)):
                 actions = [""] * num_agents
-                actions[seat] = text.rsplit("e.g. ", 1)[1]
+                actions[seat] = text.split("For example:\n", 1)[1].splitlines()[0]
                 assert env.joint_reward(item, actions).total == pytest.approx(1 / 5)
 
 

@@ -239,8 +239,10 @@ class ScheduleEnv(Environment):
         if turns < 1:
             raise ValueError(f"env.kwargs.turns: must be >= 1 (got {turns})")
         self.num_agents = num_agents
-        self.roles = tuple(f"You are scheduler {seat + 1} of {num_agents}: you place your own meetings."
-                           for seat in range(num_agents))
+        # The role asks for bare command lines: a small untrained model follows a system prompt's format
+        # more often than an instruction at the end of a long task.
+        self.roles = tuple(f"You are scheduler {seat + 1} of {num_agents}. You reply only with schedule lines "
+                           f"TASK DAY HOUR, like: t1 mon 9" for seat in range(num_agents))
         self.max_turns = turns
         self.turns, self.sparse = turns, sparse
         self.penalty, self.max_penalty = penalty, max_penalty
@@ -340,9 +342,10 @@ class ScheduleEnv(Environment):
         lines += [f"{_describe(task)}" for task in others]
         rules = [f"{a} before {b}" for a, b in item["before"]]
         lines.append("Rules: nobody in two meetings at once" + "".join(f"; {r}" for r in rules) + ".")
-        first = mine[0]
-        lines.append(f"Write one line per meeting of yours: TASK DAY HOUR, e.g. "
-                     f"{first['id']} {first['window_days'][0]} {first['window_hours'][0]}")
+        # Ending on ready command lines (each meeting's first allowed slot) is what lets an untrained small
+        # model score: it tends to continue or echo the last lines it read.
+        lines.append("Reply with one line per meeting of yours, TASK DAY HOUR, and nothing else. For example:")
+        lines += [f"{task['id']} {task['window_days'][0]} {task['window_hours'][0]}" for task in mine]
         return "\n".join(lines)
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
