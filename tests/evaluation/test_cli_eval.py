@@ -47,7 +47,8 @@ def test_the_target_is_a_config_a_preset_or_an_environment(tmp_path):
     (["digit_sum", "--num-samples", "2", "--k", "1,3"],
      "--k: k=3 exceeds --num-samples 2; pass@k and accuracy@k need k <= n: lower --k or raise --num-samples to 3"),
     (["digit_sum", "--k", "one"], "--k: 'one' is not a comma-separated list of integers"),
-    (["nowhere"], "ENV_OR_CONFIG: 'nowhere' is neither an environment (arxiv, build, coophumaneval, dataset, digit_sum"),
+    (["nowhere"], "ENV_OR_CONFIG: 'nowhere' is neither an environment (arxiv, build, coophumaneval, dataset, "
+                  "digit_sum"),
     (["digit_sum", "team.sampling.max_new_tokens=0"], "team.sampling.max_new_tokens: must be >= 1"),
     (["digit_sum", "--methods", "concat", "--split", "test"], "--split: split must be 'train' or 'eval' (got 'test')"),
 ])
