@@ -90,8 +90,8 @@ class DatasetTask(Environment):
         self.max_reward = float(max_reward)
         data = _locate(data, train_split)
         self.splits = _load_splits(data, eval_split, train_split, seed, num_train, num_eval, id_field)
-        for split, items in self.splits.items():
-            _check_templates(self.prompts, items, split)
+        for split in self.splits:
+            _check_templates(self.prompts, self.items(split), split)
         # What a saved team records to build this task again: names, not the functions themselves.
         self._constructor_arguments = ((), {
             "data": data, "prompts": self.prompts, "reward": _path_of(self.reward_fn, "reward"),
@@ -224,9 +224,10 @@ def _load_splits(data: str, eval_split: str | int | float, train_split: str, see
     except DataError as err:
         raise ValueError(f"env.kwargs.data: {err}") from None
     splits = {"train": train[:num_train], "eval": held_out[:num_eval]}
-    return {split: [{**item, "id": item[id_field]} if item.get(id_field) is not None else
-                    {**item, "id": f"{split}-{index}"} for index, item in enumerate(items)]
-            for split, items in splits.items()}
+    if id_field == "id":
+        return splits
+    # Environment.items gives "SPLIT-INDEX" to an item whose id is still missing.
+    return {split: [{**item, "id": item.get(id_field)} for item in items] for split, items in splits.items()}
 
 
 def _check_templates(prompts: Sequence[str], items: Sequence[Item], split: str) -> None:
