@@ -210,3 +210,26 @@ def test_two_step_run_with_three_agents_and_two_turns(tiny_config):
     history = Trainer(config).train()
     assert [metrics["step"] for metrics in history] == [1, 2]
     assert all(metrics["loss"] == metrics["loss"] for metrics in history)
+
+
+def test_single_agent_answer_is_split_by_whose_part_each_command_touches():
+    build = env()
+    assert build.single_agent_observation(ITEM).splitlines()[1:] == [
+        "place 0 0 0 R", "place 2 0 0 R", "place 3 1 0 G", "place 0 0 1 G"]
+    answer = "Sure:\nplace 3 1 0 G\nplace 0 0 0 R\nremove 2 0 0\nplace 9 0 0 R\nplace 0 0 1 G\nplace 1 0"
+    assert build.split_single_agent_output(ITEM, answer) == [
+        "place 0 0 0 R\nplace 9 0 0 R\nplace 0 0 1 G\nplace 1 0", "place 3 1 0 G\nremove 2 0 0"]
+    # The single agent's copy of every line scores what a team's copies score: the whole target.
+    whole = build.split_single_agent_output(ITEM, build.single_agent_observation(ITEM))
+    assert build.joint_reward(ITEM, whole).total == pytest.approx(1.0)
+    # By type, a remove goes to the seat of the target's block at that cell.
+    typed = env(roles="type")
+    assert typed.split_single_agent_output(ITEM, "remove 3 1 0\nplace 1 1 0 R") == ["place 1 1 0 R", "remove 3 1 0"]
+    assert "whole structure" in build.single_agent_role
+
+
+def test_the_centralized_policy_plays_build_through_the_same_hooks():
+    from teamrl.envs.centralized import CentralizedEnv
+
+    central = CentralizedEnv(env())
+    assert central.joint_reward(ITEM, [central.observe(ITEM)[0]]).total == pytest.approx(1.0)

@@ -128,6 +128,10 @@ def _parse_one(verb: str, args: list[str]) -> Command:
     return Command(verb, text, cell=cell, block=block)
 
 
+def _in_bounds(cell: Cell, size: Cell) -> bool:
+    return all(0 <= c < n for c, n in zip(cell, size))
+
+
 def apply_command(world: World, command: Command, size: Cell, types: Sequence[str]) -> str | None:
     """Apply ``command`` to ``world`` in place; the reason it is rejected, or None when it was applied."""
     if command.error:
@@ -135,7 +139,7 @@ def apply_command(world: World, command: Command, size: Cell, types: Sequence[st
     if command.block is not None and command.block not in types:
         return f"unknown type {command.block}"
     x, y, z = command.cell
-    if not all(0 <= c < n for c, n in zip(command.cell, size)):
+    if not _in_bounds(command.cell, size):
         return "out of bounds"
     if command.verb == "place":
         if (x, y, z) in world:
@@ -417,6 +421,35 @@ class BuildEnv(Environment):
             parts.append(_reply(removals + todo))
             observations.append("\n".join(parts))
         return observations
+
+    # --- prompt-only baselines and the centralised policy ------------------------------------------
+
+    @property
+    def single_agent_role(self) -> str:
+        width, depth, height = self.size
+        return (f"You are a builder. You write only commands. You build the whole structure in a {width} x {depth} "
+                f"x {height} grid (x y z; z 0 is the ground, a block needs a block below it). A command is place "
+                f"or remove, then x y z, then the type ({' '.join(self.types)}) for place; at most "
+                f"{self.max_commands * self.num_agents}, one per line.")
+
+    def single_agent_observation(self, item: Item) -> str:
+        blocks = sorted(self.target(item).items(), key=lambda kv: _order(kv[0]))
+        return _reply([_place_line(cell, block) for cell, block in blocks])
+
+    def split_single_agent_output(self, item: Item, completion: str) -> list[str]:
+        """Each command goes to the seat whose part it touches (a remove: the seat of the target's block there,
+        or of its column when the target has none); one that names no valid cell or type goes to seat 0, where
+        it is rejected and costs what a team's would. Within a seat the written order is kept; across seats the
+        world applies them in seat order, as it does a team's."""
+        target = self.target(item)
+        parts: list[list[str]] = [[] for _ in range(self.num_agents)]
+        for command in parse_commands(completion):
+            seat = 0
+            if command.error is None and command.cell is not None and _in_bounds(command.cell, self.size):
+                block = command.block or target.get(command.cell, "")
+                seat = max(self.owner(command.cell, block), 0)
+            parts[seat].append(command.text)
+        return ["\n".join(lines) for lines in parts]
 
     def vocabulary(self) -> list[str]:
         numbers = [str(n) for n in range(max(*self.size, self.num_agents, self.max_commands) + 1)]
