@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -201,15 +202,22 @@ def test_vocabulary_has_the_command_words():
 
 
 @pytest.mark.slow
-def test_two_step_run_with_three_agents_and_two_turns(tiny_config):
-    config = tiny_config(env={"name": "build", "kwargs": {"num_agents": 3, "max_turns": 2, "num_train": 4,
-                                                           "num_eval": 2}},
-                         team={"agents": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+@pytest.mark.parametrize("num_agents, algorithm", [
+    (3, {"joint_mode": "aligned"}),
+    (4, {"joint_mode": "cross", "max_joint_actions": 6, "normalize_advantages": "agent"}),
+])
+def test_two_step_run_with_three_and_four_agents_and_two_turns(tiny_config, num_agents, algorithm):
+    config = tiny_config(env={"name": "build", "kwargs": {"num_agents": num_agents, "max_turns": 2,
+                                                           "num_train": 4, "num_eval": 2}},
+                         team={"agents": [{"name": f"b{i}"} for i in range(num_agents)],
                                "sampling": {"max_new_tokens": 10}},
-                         algorithm={"num_turns": 2, "num_generations": 2}, items_per_step=1, steps=2)
+                         algorithm={"num_turns": 2, "num_generations": 2, **algorithm}, items_per_step=1, steps=2)
     history = Trainer(config).train()
     assert [metrics["step"] for metrics in history] == [1, 2]
-    assert all(metrics["loss"] == metrics["loss"] for metrics in history)
+    assert all(math.isfinite(metrics["loss"]) for metrics in history)
+    # Cross mode with 4 agents would be 2^4 = 16 joint actions per node; the cap samples 6.
+    joint = 6 if algorithm["joint_mode"] == "cross" else 2
+    assert history[-1]["turn1/joint_actions"] == joint and history[-1]["turn2/joint_actions"] == joint * joint
 
 
 def test_single_agent_answer_is_split_by_whose_part_each_command_touches():

@@ -228,18 +228,23 @@ def test_registered_and_vocabulary_covers_commands():
 # --- training -------------------------------------------------------------------------------------
 
 
-def test_three_agents_train_two_turns(tiny_config):
+@pytest.mark.parametrize("num_agents, algorithm", [
+    (3, {"joint_mode": "aligned"}),
+    (4, {"joint_mode": "cross", "max_joint_actions": 6, "normalize_advantages": "agent"}),
+])
+def test_three_and_four_agents_train_two_turns(tiny_config, num_agents, algorithm):
     from teamrl.train import Trainer
 
-    config = tiny_config(env={"name": "schedule", "kwargs": {"num_agents": 3, "num_tasks": 3, "num_train": 8,
-                                                              "num_eval": 2, "turns": 2}},
-                         team={"agents": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+    config = tiny_config(env={"name": "schedule", "kwargs": {"num_agents": num_agents, "num_tasks": num_agents,
+                                                              "num_train": 8, "num_eval": 2, "turns": 2}},
+                         team={"agents": [{"name": f"p{i}"} for i in range(num_agents)],
                                "sampling": {"max_new_tokens": 6}},
-                         algorithm={"num_turns": 2, "num_generations": 2}, steps=2, items_per_step=1)
+                         algorithm={"num_turns": 2, "num_generations": 2, **algorithm}, steps=2, items_per_step=1)
     trainer = Trainer(config)
     try:
         metrics = [trainer.train_step() for _ in range(2)]
     finally:
         trainer.close()
     assert all(math.isfinite(m["reward/mean"]) for m in metrics)
-    assert metrics[-1]["turn2/joint_actions"] == 2 * 2
+    joint = 6 if algorithm["joint_mode"] == "cross" else 2
+    assert metrics[-1]["turn2/joint_actions"] == joint * joint
