@@ -203,3 +203,44 @@ def test_a_client_that_disconnects_closes_its_vllm_requests(digits_served, stand
         assert time.monotonic() < deadline, "a job was left waiting on vLLM"
         time.sleep(0.02)
     assert metrics["cancelled"]["during_generation"] == 1
+
+
+def test_when_every_agents_call_fails_each_error_is_read_and_the_first_answers(digits_served):
+    import gc
+
+    from teamrl.serve.engine import Job, RequestError
+    from teamrl.serve.metrics import ServerMetrics
+    from teamrl.serve.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(digits_served, ServerMetrics(), "http://127.0.0.1:9/v1")
+
+    async def fail(client, job, index):
+        await asyncio.sleep(0.01)  # both calls fail in the same turn of the loop: both are in `done`
+        raise RequestError(f"agent {index} failed", status=502)
+
+    backend._complete = fail
+
+    async def run() -> tuple[BaseException, list[dict]]:
+        loop = asyncio.get_running_loop()
+        unread: list[dict] = []
+        loop.set_exception_handler(lambda _, context: unread.append(context))
+        # Which failed call a set yields first varies: ten jobs make a lucky order for all of them unlikely.
+        for _ in range(10):
+            error = await one_job(loop)
+        gc.collect()  # an unread exception is reported when its future is collected
+        return error, unread
+
+    async def one_job(loop) -> BaseException:
+        sampling = {i: agent.sampling for i, agent in enumerate(digits_served.team)}
+        job = Job(prompts={0: "a", 1: "b"}, inputs={0: "a", 1: "b"}, sampling=sampling, seed=None, label="x",
+                  future=loop.create_future(), accepted=loop.create_future(), loop=loop)
+        await backend._answer(job)
+        try:
+            await asyncio.wait_for(job.future, 5)
+        except RequestError as raised:
+            return raised
+        raise AssertionError("the job succeeded")
+
+    error, unread = asyncio.run(run())
+    assert str(error) == "agent 0 failed"
+    assert not unread, f"asyncio reported errors nobody read: {unread}"

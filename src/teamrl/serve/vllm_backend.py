@@ -90,7 +90,9 @@ class VLLMBackend:
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=CANCEL_POLL_SECONDS,
                                                    return_when=asyncio.FIRST_EXCEPTION)
-                failed = any(call.exception() is not None for call in done)
+                # Every done call's exception read, not just the first's: asyncio logs "exception was never
+                # retrieved" for the others otherwise.
+                failed = [call for call in done if call.exception() is not None]
                 if job.cancelled or failed:
                     for call in pending:
                         call.cancel()  # closes its connection: vLLM aborts a request whose client went away
