@@ -41,8 +41,8 @@ TEAMRL_PRESET = "demo_tldr_cpu"
 COMLRL_DEFAULTS = {"items": 1, "num_generations": 4, "max_new_tokens": 64, "lr": 5e-6, "temperature": 0.7}
 #: Steps a CoMLRL run may take at most: more than any budget here buys (it needs its items listed up front).
 MAX_STEPS = 2000
-#: The training minutes the preset's ``steps`` take on 2 cores (docs/training.md): its learning-rate schedule
-#: decays to 0 at the last step, so a budget of M minutes gets the preset's steps x M / PRESET_MINUTES.
+#: The training minutes the preset's ``steps`` take on 2 cores (docs/reports/learning-sweep.md): its learning-rate
+#: schedule decays to 0 at the last step, so a budget of M minutes gets the preset's steps x M / PRESET_MINUTES.
 PRESET_MINUTES = 5.0
 
 

@@ -3,7 +3,7 @@
 Trains a config (default: the main job's preset ``demo_tldr_cpu``: two LoRA agents of the bundled
 SmolLM2-135M-Instruct writing TL;DR-style summaries of ACL abstracts) once with
 ``algorithm.learners=joint`` and once with ``algorithm.learners=individual`` (each agent learns from its
-own reward of its own completion, docs/environments.md) for every seed, and reports the held-out
+own reward of its own completion, docs/tasks.md) for every seed, and reports the held-out
 *joint* reward before and after training. The joint reward is the yardstick for both: it is the team's
 task, whatever each run learned from. As in ``teamrl demo``, the held-out evaluation samples with its
 own seed (``--eval-seed``), so runs are scored on the same draws and differ only by what training did;

@@ -1,7 +1,7 @@
 """A team of tiny random agents learns the cooperative digit_sum game with IAC and with MAAC (a learned
 critic's advantage instead of MAGRPO's group baseline), for several seeds, and the critics learn the
 value of the states they see. Each run trains at most 60 steps and stops once its training reward has
-converged (0.92, 0.07 above the held-out threshold). Measurements: docs/algorithm.md#learning-digit_sum."""
+converged (0.92, 0.07 above the held-out threshold). Measurements: docs/reports/actor-critic.md."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_team_learns_to_cooperate_from_its_critics(tiny_config, train_and_evalua
     config = tiny_config(seed=seed, steps=60, algorithm={"name": name})
     before, after, history = train_and_evaluate(config, stop_at=0.92)
     assert before < 0.3, f"untrained team already scores {before:.2f}: the game is too easy to test learning"
-    # Measured 0.91 to 0.96 over these seeds (docs/algorithm.md#learning-digit_sum); the optimum is 1.
+    # Measured 0.91 to 0.96 over these seeds (docs/reports/actor-critic.md); the optimum is 1.
     assert after > 0.85, f"{name} seed {seed}: held-out joint reward only went {before:.2f} -> {after:.2f}"
     # Every state of a step reads the same (one target), so a critic that learned is the mean return:
     # measured within 0.015 of the last steps' reward.

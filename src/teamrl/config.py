@@ -437,7 +437,7 @@ class RolloutConfig:
     """Which engine samples the rollouts. The update always runs in transformers (it recomputes log-probs)."""
 
     backend: Literal["transformers", "vllm"] = _doc(
-        "Rollout engine: 'transformers' (this process) or 'vllm' (GPU; docs/performance.md#enabling-it).",
+        "Rollout engine: 'transformers' (this process) or 'vllm' (GPU; docs/vllm.md#enabling-it).",
         "transformers",
     )
     gpu_memory_utilization: float = _doc(
@@ -447,7 +447,7 @@ class RolloutConfig:
     max_model_len: int = _doc("vLLM: prompt + completion tokens the KV cache holds; 0 = the model's own limit.", 0)
     sleep_between_rollouts: bool = _doc(
         "vLLM: free the engine's GPU memory while the agents update; one engine only, i.e. LoRA agents on one base "
-        "(docs/performance.md#enabling-it).", False
+        "(docs/vllm.md#enabling-it).", False
     )
 
     def validate(self, path: str) -> None:

@@ -7,7 +7,7 @@ sampler through an engine that binds every call to the real ``LLM`` method's sig
 strict stand-in of conftest.py with the real classes, so that the CPU tests test against vLLM's interface.
 
 They need the ``vllm`` package, not a GPU (no engine starts), and are skipped where it is not installed; run
-them with the GPU tests after installing or upgrading vLLM (docs/performance.md#checking-teamrl-against-your-vllm).
+them with the GPU tests after installing or upgrading vLLM (docs/vllm.md#checking-teamrl-against-your-vllm).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def best_of_others(returns: torch.Tensor) -> torch.Tensor:
     Only a sample that beats every sibling is pushed up (by its margin over the runner-up); a tie for the
     best gets 0. Leaving R_g out keeps the baseline independent of sample g, so the gradient stays an
     unbiased estimate of the return's; CoMLRL's R_g - max_k R_k (every sample counted) gives the best
-    sample exactly 0 and the gradient of E[min(R_g, max of the others)] instead (docs/algorithm.md).
+    sample exactly 0 and the gradient of E[min(R_g, max of the others)] instead (docs/reports/comlrl-algorithms.md).
     That holds when R_g is the only return that depends on sample g: in cross mode each sample is in
     G^(n-1) joint actions, and :func:`sample_advantages` hands this function one value per sample.
     """

@@ -10,7 +10,7 @@ same sums (``optim.fast_update``, on by default; tests/test_training_options.py 
   adapters of one base pool their micro-batches, each thread through its own agent's adapter
   (:func:`update_pools`); each agent's gradients add up in micro-batch order, so a run repeats exactly.
 
-What each saves is measured in docs/performance.md.
+What each saves is measured in docs/reports/step-time.md.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def _parallel_micro_batches(model: torch.nn.Module, params: Sequence[torch.nn.Pa
 
     Why threads on CPU: with its threads split between two micro-batches, each of torch's operations
     runs on fewer cores, and most of an update's operations (element-wise passes, norms, attention, the
-    small LoRA matmuls) scale poorly across cores (docs/performance.md#parallel-micro-batches). The cost
+    small LoRA matmuls) scale poorly across cores (docs/reports/step-time.md#parallel-micro-batches). The cost
     is a second micro-batch's activations.
     """
     if requested <= 1 or num_batches <= 1:
@@ -239,7 +239,7 @@ def _in_threads(fn: Callable, items: Sequence, threads: int) -> Iterator:
 
     This thread takes part, rather than waiting on a pool: each thread that allocates gets its own
     malloc arena, whose freed blocks stay in the process, and a third arena raises the update's peak
-    memory (docs/performance.md, "Eighth round")."""
+    memory (docs/reports/step-time.md, "Eighth round")."""
     if threads <= 1:
         yield from map(fn, items)
         return

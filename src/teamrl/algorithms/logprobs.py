@@ -107,7 +107,7 @@ class _ChosenLogProbs(torch.autograd.Function):
     ``(one_hot - softmax) * grad / temperature`` straight into the logits' gradient. Autograd's
     log_softmax + gather would allocate the log-softmax, a zero-filled gradient for the gather and the
     log-softmax's own gradient: three passes over a (tokens x vocabulary) tensor, each slower than the
-    whole of this (docs/performance.md, "Fourth round").
+    whole of this (docs/reports/step-time.md, "Fourth round").
     """
 
     #: About 4 MB of float32 logits at a time, so that each block's passes stay in cache.

@@ -26,7 +26,7 @@ A step's rollout is MAGRPO's (:func:`teamrl.algorithms.magrpo.rollout`); what th
 CoMLRL 1.4.3's MADPO couples the agents the same way (the others' deltas detached) but drops the reference:
 its "DPO" is -log sigma(beta * sum_i (log pi_i(a_i^w) - log pi_i(a_i^l))), with no pi_ref term, so nothing
 keeps a policy near its start. It also builds its preferences once, offline, from the initial policy, and
-ends each completion at the first pad token; docs/algorithm.md#madpo lists the differences.
+ends each completion at the first pad token; docs/reports/comlrl-algorithms.md lists the differences.
 """
 
 from __future__ import annotations

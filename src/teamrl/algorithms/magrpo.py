@@ -62,7 +62,7 @@ class Turn:
     items: list[Item]
     histories: list[tuple[Step, ...]]
     observations: list[list[str]]
-    """observations[e][i]: agent i's observation at expansion point e."""
+    """``observations[e][i]``: agent i's observation at expansion point e."""
     generations: list[Generation]
     """generations[i]: agent i's E x G completions, G consecutive rows per expansion point."""
     combos: torch.Tensor

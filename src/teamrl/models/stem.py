@@ -32,7 +32,7 @@ class PromptStem:
     leaves of the autograd graph: the gradients the micro-batches leave on them add up, and
     :meth:`backward` carries the sum into the model, as if each micro-batch had run the stem itself. With
     two turns, an agent's turn-2 prompts repeat its turn-1 prompt's opening ahead of their own parts: about
-    half of their tokens (docs/performance.md, "Ninth round").
+    half of their tokens (docs/reports/step-time.md, "Ninth round").
     """
 
     ids: torch.Tensor
@@ -75,7 +75,7 @@ class PromptStem:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
 
-#: A pass of its own costs about as much as this many prompt tokens run again (docs/performance.md,
+#: A pass of its own costs about as much as this many prompt tokens run again (docs/reports/step-time.md,
 #: "Ninth round"); shorter common openings run with each prompt.
 MIN_STEM_TOKENS = 16
 

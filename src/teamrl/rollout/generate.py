@@ -271,7 +271,7 @@ def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) 
 
     A ``DynamicCache`` concatenates every layer's keys and values with the new position at every decoding
     step, copying the whole cache each time; a static one writes the new position in place (about a
-    seventh of a decoding step: docs/performance.md, "Third round").
+    seventh of a decoding step: docs/reports/step-time.md, "Third round").
     """
     static = StaticCache(config=config, max_cache_len=max_length)
     if (len(static.layers) != len(cache.layers) or not all(type(layer) is DynamicLayer for layer in cache.layers)
@@ -354,7 +354,7 @@ class _Sampler(LogitsProcessor):
 
     transformers' own sampling (``torch.multinomial``) draws an exponential variate per row *and
     vocabulary entry* at every step, about ten times the cost of inverse-CDF sampling (one uniform per
-    row, located in the cumulative probabilities; docs/performance.md, "Second round"). The log-prob
+    row, located in the cumulative probabilities; docs/reports/step-time.md, "Second round"). The log-prob
     recorded is under the temperature-scaled policy, before top-k/top-p (as ``token_logprobs`` computes it
     in training), holding one step of log-probs at a time: a step's token is only known at the next call
     (or from the final sequences). ``top_k``/``top_p`` filter with transformers' own warpers.

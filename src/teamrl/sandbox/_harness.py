@@ -38,7 +38,7 @@ open their descriptors through ``/proc``; a program that kills or stops them los
 tests, nothing more.
 """
 
-import _socket  # not `socket`: its import slows every sandbox's start (docs/performance.md, "Grading code")
+import _socket  # not `socket`: its import slows every sandbox's start (docs/reports/sandbox-throughput.md, issue #22)
 import array
 import builtins
 import json
