@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from teamrl.envs import make_env
 from teamrl.envs.base import Step
@@ -241,3 +242,51 @@ def test_the_centralized_policy_plays_build_through_the_same_hooks():
 
     central = CentralizedEnv(env())
     assert central.joint_reward(ITEM, [central.observe(ITEM)[0]]).total == pytest.approx(1.0)
+
+
+def _scripted_sampler(pool):
+    """A SampleFn that writes commands from ``pool``, drawn from a stream seeded by the observation and seed."""
+    import zlib
+
+    import torch
+
+    from teamrl.rollout.generate import Generation
+
+    def sample(observations, num_samples, seed):
+        generations = []
+        for seat, seen in enumerate(observations):  # agent seat's observations, one per expansion point
+            texts = []
+            for observation in seen:
+                rng = random.Random(zlib.crc32(f"{seed}|{seat}|{observation}".encode()))
+                texts += [rng.choice(pool) for _ in range(num_samples)]
+            rows = len(texts)
+            ones = torch.ones(rows, 1, dtype=torch.long)
+            generations.append(Generation(ones, ones, ones, ones, torch.zeros(rows, 1), texts))
+        return generations
+
+    return sample
+
+
+@pytest.mark.parametrize("estimator", ["mean", "rloo"])
+def test_with_discount_one_monte_carlo_advantages_are_the_same_shaped_or_sparse(estimator):
+    # Shaped and sparse returns from a node differ by what its history earned, which its siblings share; a
+    # group-relative baseline takes it out. So MAGRPO's update is the same on both variants when gamma = 1.
+    from teamrl.algorithms.magrpo import advantages, rollout
+    from teamrl.config import AlgorithmConfig
+
+    pool = ["place 0 0 0 R", "place 2 0 0 R\nplace 3 1 0 G", "place 0 0 1 G", "remove 0 0 0", "place 9 0 0 R",
+            "place 1 1 0 G", "chatter"]
+
+    def run(sparse, discount):
+        build = env(max_turns=3, sparse=sparse)
+        config = AlgorithmConfig(num_generations=3, num_turns=3, discount=discount, advantage=estimator)
+        tree = rollout(_scripted_sampler(pool), build, [ITEM], config, seed=5)
+        per_agent, returns = advantages(tree, 2, config)
+        return torch.cat([torch.cat(turns) for turns in per_agent]), returns
+
+    shaped, shaped_returns = run(False, 1.0)
+    sparse, sparse_returns = run(True, 1.0)
+    assert shaped.abs().sum() > 0
+    assert not all(torch.equal(a, b) for a, b in zip(shaped_returns[1:], sparse_returns[1:]))  # returns differ
+    assert torch.allclose(shaped, sparse, atol=1e-6)  # advantages do not
+    assert not torch.allclose(run(False, 0.5)[0], run(True, 0.5)[0], atol=1e-6)  # with discounting they do
