@@ -324,7 +324,8 @@ class Trainer:
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:
-        """Mean joint reward (and mean reward parts) of the team on ``split``, turn 1.
+        """Mean joint return (and mean reward parts) of the team on ``split``: episodes of ``algorithm.num_turns``
+        turns, each agent answering the environment's feedback after the first, every turn's joint reward summed.
 
         Sampling is seeded (``seed``, default the run's seed), so evaluating twice gives the same numbers
         for the same weights, and training's samples are the same whether or not it evaluates. Items are
@@ -345,7 +346,8 @@ class Trainer:
         if not items:
             raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
         output = heldout.sample_held_out(self.agents.sample, self.env, items, num_samples,
-                                         self.config.seed if seed is None else seed, items_per_batch)
+                                         self.config.seed if seed is None else seed, items_per_batch,
+                                         num_turns=self.config.algorithm.num_turns)
         return heldout.training_view(*heldout.score(self.env, output, num_samples))
 
     @property

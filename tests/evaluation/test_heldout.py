@@ -103,3 +103,42 @@ def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
     assert [key.removeprefix("scheme/") for key in metrics if key.startswith("scheme/")] == list(SCHEMES)
     assert sum(metrics[f"scheme/{s}"] for s in SCHEMES) == pytest.approx(1.0)
     assert metrics["tokens_per_answer"] == 10 and metrics["seconds_per_answer"] == 0.5 and metrics["tokens_per_s"] == 20
+
+
+def test_a_multi_turn_episode_answers_the_feedback_and_scores_its_return():
+    # Two builders on a 4 x 2 x 2 grid over three turns; each turn an agent writes the first line its
+    # observation asks for (a perfect copier), except agent 1 in turn 1, which writes a wrong block.
+    from teamrl.evaluation.heldout import score
+
+    item = {"id": "hand", "target": [[0, 0, 0, "R"], [2, 0, 0, "R"], [0, 0, 1, "G"]]}
+    calls = []
+
+    def copier(observations, num_samples, seed):
+        calls.append((num_samples, seed))
+        texts = []
+        for seat, seen in enumerate(observations):
+            lines = [[line for line in obs.splitlines() if line.startswith(("place", "remove"))][:1] for obs in seen]
+            first_turn = len(calls) == 1
+            texts.append([("place 3 1 0 G" if seat == 1 and first_turn else "\n".join(found))
+                          for found in lines for _ in range(num_samples)])
+        return [SimpleNamespace(texts=agent, num_tokens=len(agent)) for agent in texts]
+
+    for sparse in (False, True):
+        calls.clear()
+        env = make_env("build", width=4, depth=2, height=2, num_types=2, num_blocks=2, num_train=1, num_eval=1,
+                       max_turns=3, sparse=sparse)
+        output = sample_held_out(copier, env, [item], 1, seed=7, num_turns=3)
+        assert [seed for _, seed in calls] == [derive_seed(7, 0), derive_seed(7, 2, 0), derive_seed(7, 3, 0)]
+        (episode,) = output.episodes
+        assert [list(step.actions) for step in episode.history] == [["place 0 0 0 R", "place 3 1 0 G"],
+                                                                     ["place 0 0 1 G", "remove 3 1 0"]]
+        assert episode.actions == ["", "place 2 0 0 R"]
+        assert "remove 3 1 0" in episode.observations[1]  # it saw the feedback on its wrong block
+        metrics, records = score(env, output, 1)
+        # Whole target built; one off-target block cost 0.1: shaped or sparse, the episode returns 0.9.
+        assert metrics["reward_mean"] == pytest.approx(0.9)
+        assert records[0]["counts"]["iou"] == 1.0
+        turns = [turn["reward"] for turn in records[0]["earlier_turns"]]
+        assert turns == ([0.0, 0.0] if sparse else [pytest.approx(1 / 4 - 0.1), pytest.approx(2 / 3 - 1 / 4)])
+    with pytest.raises(ValueError, match="num_turns: must be >= 1"):
+        sample_held_out(copier, env, [item], 1, seed=7, num_turns=0)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from teamrl.envs.base import Environment, Item
+from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.inference import TeamOutput, run_team
@@ -53,6 +53,9 @@ class Episode:
     trace: dict[str, Any] = field(default_factory=dict)
     """What else the method did: a single agent's whole ``completion``; a discussion's
     ``first_observations`` and ``first_answers``."""
+    history: tuple[Step, ...] = ()
+    """The episode's earlier turns (a multi-turn held-out episode): ``observations`` and ``actions`` are its
+    last turn's, and its return is every turn's joint reward summed."""
 
 
 @dataclass

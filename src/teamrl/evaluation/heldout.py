@@ -1,8 +1,10 @@
 """Held-out evaluation: one path for training, ``teamrl demo`` and ``teamrl eval``.
 
 :func:`sample_held_out` samples a team's joint actions for held-out items; :meth:`teamrl.train.Trainer.evaluate`
-(which ``teamrl demo`` reports) and ``teamrl eval``'s ``team:PATH`` method both call it, so a team scores the
-same wherever it is evaluated. :func:`score` rewards any method's joint actions with the environment's own
+(which ``teamrl demo`` and ``teamrl compare`` report) and ``teamrl eval``'s ``team:PATH`` method both call it, so
+a team scores the same wherever it is evaluated for the same number of turns: training's evaluation plays the
+episodes ``algorithm.num_turns`` long (every turn's joint reward summed), ``teamrl eval`` one turn, as its
+prompt-only baselines answer once. :func:`score` rewards any method's joint actions with the environment's own
 joint reward and summarises them (:func:`method_metrics`, :func:`sample_records`); ``teamrl eval`` reports
 that, and ``Trainer.evaluate`` the same numbers under training's names (:func:`training_view`).
 """
@@ -16,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from teamrl.envs.base import Environment, Item
+from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
-from teamrl.envs.checks import checked_rewards, first_observations
+from teamrl.envs.checks import checked_observations, checked_rewards, first_observations
 from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.metrics import accuracy_at_k, normalised_return, pass_at_k, summarise_levels, tokens_per_second
@@ -35,19 +37,24 @@ EVAL_ITEMS_PER_BATCH = 8
 
 
 def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], num_samples: int, seed: int,
-                    items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> MethodOutput:
-    """``num_samples`` joint actions per item (item-major) of the team behind ``sample``, each agent on its own
+                    items_per_batch: int = EVAL_ITEMS_PER_BATCH, num_turns: int = 1) -> MethodOutput:
+    """``num_samples`` episodes per item (item-major) of the team behind ``sample``, each agent on its own
     observation, with the tokens generated and the seconds sampling took.
 
-    Items go ``items_per_batch`` at a time, batch b sampled under ``derive_seed(seed, b)``: the numbers
-    depend on the seed, the items and the batching alone, not on what the caller's RNG did before, so
-    evaluating before and after training draws alike and training's own stream is untouched.
+    An episode is ``num_turns`` turns: after the first, every agent sees the environment's feedback
+    (``next_observations``) and answers once more, as in a training episode but without the tree (one joint
+    action per turn); :func:`score` sums its turns' joint rewards. Items go ``items_per_batch`` at a time,
+    batch b of turn t sampled under ``derive_seed(seed, b)`` (t = 1) or ``derive_seed(seed, t, b)``: the
+    numbers depend on the seed, the items and the batching alone, not on what the caller's RNG did before,
+    so evaluating before and after training draws alike and training's own stream is untouched.
 
     Raises:
-        ValueError: ``items_per_batch`` < 1.
+        ValueError: ``items_per_batch`` or ``num_turns`` < 1.
     """
     if items_per_batch < 1:
         raise ValueError(f"items_per_batch: must be >= 1 (got {items_per_batch})")
+    if num_turns < 1:
+        raise ValueError(f"num_turns: must be >= 1 (got {num_turns})")
     observations = first_observations(env, items)
     episodes: list[Episode] = []
     tokens, seconds = 0, 0.0
@@ -61,7 +68,37 @@ def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], n
         episodes += [Episode(items[start + row // num_samples], chunk[row // num_samples],
                              [generation.texts[row] for generation in generations])
                      for row in range(len(chunk) * num_samples)]
+    for turn in range(2, num_turns + 1):
+        episodes, turn_tokens, turn_seconds = _next_turn(sample, env, episodes, turn, seed,
+                                                         items_per_batch * num_samples)
+        tokens, seconds = tokens + turn_tokens, seconds + turn_seconds
     return MethodOutput(episodes, tokens, seconds)
+
+
+def _next_turn(sample: SampleFn, env: Environment, episodes: Sequence[Episode], turn: int, seed: int,
+               batch_size: int) -> tuple[list[Episode], int, float]:
+    """Each episode one turn longer: its last joint action scored and kept in its history, then every agent's
+    answer to the feedback (one sample per episode, ``batch_size`` episodes per sampling call)."""
+    requests = [(episode.item, episode.actions, episode.history) for episode in episodes]
+    results = checked_rewards(env, requests, env.joint_rewards(requests))
+    histories = [(*episode.history, Step(tuple(episode.observations), tuple(episode.actions), result))
+                 for episode, result in zip(episodes, results)]
+    observations = [checked_observations(env, "next_observations", episode.item,
+                                         env.next_observations(episode.item, history))
+                    for episode, history in zip(episodes, histories)]
+    longer: list[Episode] = []
+    tokens, seconds = 0, 0.0
+    for batch, start in enumerate(range(0, len(episodes), batch_size)):
+        chunk = observations[start:start + batch_size]
+        began = time.perf_counter()
+        generations = sample([[obs[i] for obs in chunk] for i in range(env.num_agents)], 1,
+                             derive_seed(seed, turn, batch))
+        seconds += time.perf_counter() - began
+        tokens += sum(generation.num_tokens for generation in generations)
+        longer += [Episode(episodes[start + row].item, chunk[row], [gen.texts[row] for gen in generations],
+                           episodes[start + row].trace, histories[start + row])
+                   for row in range(len(chunk))]
+    return longer, tokens, seconds
 
 
 def score(env: Environment, output: MethodOutput, num_samples: int,
@@ -69,14 +106,29 @@ def score(env: Environment, output: MethodOutput, num_samples: int,
     """A method's metrics (:func:`method_metrics`) and records (:func:`sample_records`), every joint action of
     ``output`` (``num_samples`` per item) scored by the environment's own joint reward. A centralised policy's
     completions (:class:`~teamrl.envs.centralized.CentralizedEnv`) are scored as the joint actions of the task
-    it plays, so its numbers are a team's."""
+    it plays, so its numbers are a team's. A multi-turn episode scores its return (:func:`episode_result`)."""
     if isinstance(env, CentralizedEnv):
         env, output = env.inner, env.joint_output(output)
-    requests = [(episode.item, episode.actions, ()) for episode in output.episodes]
-    rewards = checked_rewards(env, requests, env.joint_rewards(requests))
+    requests = [(episode.item, episode.actions, episode.history) for episode in output.episodes]
+    last = checked_rewards(env, requests, env.joint_rewards(requests))
+    rewards = [episode_result(episode.history, result) for episode, result in zip(output.episodes, last)]
     is_code = isinstance(env, CodingEnv)
     return (method_metrics(env, output, rewards, num_samples, ks, is_code),
             sample_records(output.episodes, rewards, num_samples, is_code))
+
+
+def episode_result(history: Sequence[Step], last: RewardResult) -> RewardResult:
+    """An episode's return as one RewardResult: every turn's joint reward and parts summed (undiscounted: what
+    training maximises at ``discount: 1``), the last turn's counts (the state the episode ended in: blocks
+    built, tests passed). A one-turn episode's is its reward."""
+    if not history:
+        return last
+    turns = [step.reward for step in history] + [last]
+    parts: dict[str, float] = {}
+    for result in turns:
+        for name, value in result.parts.items():
+            parts[name] = parts.get(name, 0.0) + value
+    return RewardResult(sum(result.total for result in turns), parts, dict(last.counts))
 
 
 def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[RewardResult], num_samples: int,
@@ -127,6 +179,9 @@ def sample_records(episodes: Sequence[Episode], rewards: Sequence[RewardResult],
         record = {"item": episode.item.get("id"), "sample": index % num_samples,
                   "observations": episode.observations, "actions": episode.actions,
                   "reward": reward.total, "parts": reward.parts, "counts": reward.counts, **episode.trace}
+        if episode.history:  # a multi-turn episode: its earlier turns, its last above
+            record["earlier_turns"] = [{"observations": list(step.observations), "actions": list(step.actions),
+                                        "reward": step.reward.total} for step in episode.history]
         if is_code:
             record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
                                                episode.item["entry_point"], AUX).scheme
@@ -149,6 +204,7 @@ def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
                  if name.startswith("level/")})
     view.update({name: value for name, value in sorted(metrics.items()) if name.startswith("count/")})
     samples = [{"item": record["item"], "observations": record["observations"], "actions": record["actions"],
-                "reward": record["reward"], "reward_parts": record["parts"], "reward_counts": record["counts"]}
+                "reward": record["reward"], "reward_parts": record["parts"], "reward_counts": record["counts"],
+                **({"earlier_turns": record["earlier_turns"]} if "earlier_turns" in record else {})}
                for record in records]
     return view, samples
