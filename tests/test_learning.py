@@ -35,7 +35,9 @@ def test_single_turn_team_learns_to_cooperate(tiny_config, train_and_evaluate, s
 def test_two_turn_team_learns_at_both_turns(tiny_config, train_and_evaluate, seed):
     config = tiny_config(seed=seed, steps=60, algorithm={"num_generations": 4, "num_turns": 2})
     before, after, history = train_and_evaluate(config, stop_at=0.97, keys=TURNS)
-    assert before < 0.3
+    # Held-out evaluation plays both turns and sums their rewards (max 2): 0.25-0.36 untrained (seeds 0-2).
+    assert before < 0.45, f"untrained team already returns {before:.2f} of 2"
+    assert after > 1.8, f"seed {seed}: held-out return only went {before:.2f} -> {after:.2f} (of 2)"
     first_turn = sum(h["reward/turn1/mean"] for h in history[-5:]) / 5
     second_turn = sum(h["reward/turn2/mean"] for h in history[-5:]) / 5
     assert first_turn > 0.9 and second_turn > 0.9, (seed, first_turn, second_turn)
