@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,23 +56,33 @@ def sample_held_out(sample: SampleFn, env: Environment, items: Sequence[Item], n
     if num_turns < 1:
         raise ValueError(f"num_turns: must be >= 1 (got {num_turns})")
     observations = first_observations(env, items)
-    episodes: list[Episode] = []
-    tokens, seconds = 0, 0.0
-    for batch, start in enumerate(range(0, len(items), items_per_batch)):
-        chunk = observations[start:start + items_per_batch]
-        began = time.perf_counter()
-        generations = sample([[obs[i] for obs in chunk] for i in range(env.num_agents)], num_samples,
-                             derive_seed(seed, batch))
-        seconds += time.perf_counter() - began
-        tokens += sum(generation.num_tokens for generation in generations)
-        episodes += [Episode(items[start + row // num_samples], chunk[row // num_samples],
-                             [generation.texts[row] for generation in generations])
-                     for row in range(len(chunk) * num_samples)]
+    answers, tokens, seconds = _sample_in_batches(sample, env, observations, num_samples, items_per_batch,
+                                                  lambda batch: derive_seed(seed, batch))
+    episodes = [Episode(items[row // num_samples], observations[row // num_samples], actions)
+                for row, actions in enumerate(answers)]
     for turn in range(2, num_turns + 1):
         episodes, turn_tokens, turn_seconds = _next_turn(sample, env, episodes, turn, seed,
                                                          items_per_batch * num_samples)
         tokens, seconds = tokens + turn_tokens, seconds + turn_seconds
     return MethodOutput(episodes, tokens, seconds)
+
+
+def _sample_in_batches(sample: SampleFn, env: Environment, observations: Sequence[list[str]], num_samples: int,
+                       batch_size: int, batch_seed: Callable[[int], int]) -> tuple[list[list[str]], int, float]:
+    """Every agent's ``num_samples`` answers to each of ``observations`` (a joint action per row, rows
+    observation-major), ``batch_size`` observations per sampling call, call b under ``batch_seed(b)``; with
+    the tokens generated and the seconds sampling took."""
+    answers: list[list[str]] = []
+    tokens, seconds = 0, 0.0
+    for batch, start in enumerate(range(0, len(observations), batch_size)):
+        chunk = observations[start:start + batch_size]
+        began = time.perf_counter()
+        generations = sample([[obs[i] for obs in chunk] for i in range(env.num_agents)], num_samples,
+                             batch_seed(batch))
+        seconds += time.perf_counter() - began
+        tokens += sum(generation.num_tokens for generation in generations)
+        answers += [[generation.texts[row] for generation in generations] for row in range(len(chunk) * num_samples)]
+    return answers, tokens, seconds
 
 
 def _next_turn(sample: SampleFn, env: Environment, episodes: Sequence[Episode], turn: int, seed: int,
@@ -86,18 +96,10 @@ def _next_turn(sample: SampleFn, env: Environment, episodes: Sequence[Episode], 
     observations = [checked_observations(env, "next_observations", episode.item,
                                          env.next_observations(episode.item, history))
                     for episode, history in zip(episodes, histories)]
-    longer: list[Episode] = []
-    tokens, seconds = 0, 0.0
-    for batch, start in enumerate(range(0, len(episodes), batch_size)):
-        chunk = observations[start:start + batch_size]
-        began = time.perf_counter()
-        generations = sample([[obs[i] for obs in chunk] for i in range(env.num_agents)], 1,
-                             derive_seed(seed, turn, batch))
-        seconds += time.perf_counter() - began
-        tokens += sum(generation.num_tokens for generation in generations)
-        longer += [Episode(episodes[start + row].item, chunk[row], [gen.texts[row] for gen in generations],
-                           episodes[start + row].trace, histories[start + row])
-                   for row in range(len(chunk))]
+    answers, tokens, seconds = _sample_in_batches(sample, env, observations, 1, batch_size,
+                                                  lambda batch: derive_seed(seed, turn, batch))
+    longer = [Episode(episode.item, seen, actions, episode.trace, history)
+              for episode, seen, actions, history in zip(episodes, observations, answers, histories)]
     return longer, tokens, seconds
 
 
