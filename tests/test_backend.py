@@ -35,9 +35,9 @@ def test_the_trainer_reaches_the_agents_only_through_the_backend(tiny_config, tm
     trainer.train()
     trainer.evaluate(max_items=2)
     trainer.save_team(tmp_path / "team")
-    # Per step: a sample per turn, one update, a checkpoint's states; then the evaluation's sample, and the
-    # save after its weights are checked finite.
-    assert backend.calls == ["sample", "sample", "update", "states"] * 2 + ["sample", "states", "save"]
+    # Per step: a sample per turn, one update, a checkpoint's states; then the evaluation's sample per turn, and
+    # the save after its weights are checked finite.
+    assert backend.calls == ["sample", "sample", "update", "states"] * 2 + ["sample", "sample", "states", "save"]
     trainer.close()
 
     resumed = Trainer(config, resume=True)

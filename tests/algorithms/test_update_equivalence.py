@@ -92,12 +92,13 @@ RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
             "reward": [0.11874999850988388, 0.26874998211860657, 0.23749999701976776],
             "grad_norm": [0.2965422570705414, 0.21378357708454132, 0.22127887606620789],
             "parameter_abs_sum": {"first": 259.0009571892442, "second": 261.9668457230582},
+            # Re-recorded 2026-11-28 (on an AuthenticAMD 25/17) when held-out evaluation began to play both turns.
             "evaluation": {
-                "reward/mean": 0.15312498807907104, "reward/std": 0.1242387518286705,
-                "count/digit_pairs": 1.125,
-                "count/hits": 0.0,
+                "reward/mean": 0.4625000059604645, "reward/std": 0.20615528523921967,
+                "count/digit_pairs": 1.625,
+                "count/hits": 0.125,
             },
-            "evaluation_samples": "baeaca573af479cd7b71a227f4ff5580dddced30ec67a3a07530c2a859ec97f6",
+            "evaluation_samples": "05c6e158ed587dcb3238bd2eff957f6451a062c82cf35b9d372e5786fbf19125",
         },
         "full": {
             "metrics": "aeb5f2928835f9175edba2b800b1ae91e933d9a01967fe024517ae26b5af09f8",
@@ -179,12 +180,8 @@ RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
             "reward": [0.11874999850988388, 0.26874998211860657, 0.23749999701976776],
             "grad_norm": [0.2965422570705414, 0.21378357708454132, 0.2212788611650467],
             "parameter_abs_sum": {"first": 259.000956175325, "second": 261.9668452642509},
-            "evaluation": {
-                "reward/mean": 0.15312498807907104, "reward/std": 0.1242387518286705,
-                "count/digit_pairs": 1.125,
-                "count/hits": 0.0,
-            },
-            "evaluation_samples": "baeaca573af479cd7b71a227f4ff5580dddced30ec67a3a07530c2a859ec97f6",
+            # No evaluation numbers: they were turn 1's, and this CPU was not at hand when held-out evaluation
+            # began to play both turns (2026-11-28); the test prints them here for pasting.
         },
         "full": {
             "metrics": "b6271d1791037bf8e464566dd5a07a8856b3061c0685727de2d9162347a9de3a",
@@ -293,7 +290,13 @@ def test_training_steps_give_the_recorded_numbers_bit_for_bit(name, tiny_config,
         pytest.fail(f"no expected values for {name!r} (platform {_platform()!r}); they are:\n"
                     f"{name!r}: {json.dumps(got)},")
     want = recorded[name]
-    for key in ("loss", "reward", "grad_norm", "parameter_abs_sum", "evaluation", "evaluation_samples"):
+    for key in ("loss", "reward", "grad_norm", "parameter_abs_sum"):
         assert got[key] == want[key], key
+    if "evaluation" not in want:
+        print(f"{name}: no evaluation recorded on this CPU; to record: \"evaluation\": "
+              f"{json.dumps(got['evaluation'])}, \"evaluation_samples\": \"{got['evaluation_samples']}\"")
+    else:
+        assert got["evaluation"] == want["evaluation"], "evaluation"
+        assert got["evaluation_samples"] == want["evaluation_samples"], "evaluation_samples"
     assert got["metrics"] == want["metrics"]
     assert got["parameters"] == want["parameters"]
