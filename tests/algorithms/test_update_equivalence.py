@@ -7,10 +7,13 @@ match. The expected values were produced by this test at commit ed097d4, before 
 log-probability forward and the agent backends were reorganised (a configuration missing from
 ``EXPECTED`` fails with its values, ready to paste).
 
-Bit-level numbers hold for one torch build on one CPU model: kernels differ between instruction sets and,
-within one (AVX512), between models, and a last-bit difference in a logit can flip a sampled token and every
-number after it. The numbers are kept per platform (``RECORDINGS``); on one without them the test is
-skipped, saying so (``benchmarks/same_numbers.py`` compares two source trees on any machine).
+Bit-level numbers hold for one torch build on one family of CPU models: kernels differ between instruction
+sets and, within one (AVX512), between models, and a last-bit difference in a logit can flip a sampled token
+and every number after it. The numbers are kept per platform (``RECORDINGS``, each for the CPU models
+measured to give them). On a CPU model no recording lists, the clear numbers are compared to those of its
+instruction set within a relative 1e-5 (last-bit differences, not a changed computation) and the digests are
+not; on a build or instruction set without numbers the test is skipped, saying so
+(``benchmarks/same_numbers.py`` compares two source trees bit for bit on any machine).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ CONFIGS = {
 #: note its CPU model. The 6/207 numbers were recorded at e9393a4, after benchmarks/same_numbers.py found
 #: ed097d4 and e9393a4 identical on that CPU (2026-11-26).
 RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
-    ({"torch": "2.13.0+cpu", "cpu": "AVX512", "cpu_model": None}, {
+    ({"torch": "2.13.0+cpu", "cpu": "AVX512", "cpu_models": (None,)}, {
         "lora_single_turn": {
             "metrics": "9b923452409548e3a0162966c54e5ace64effbb80cf8aab2c181e5e8a25aa3cf",
             "parameters": {
@@ -135,7 +138,7 @@ RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
             "evaluation_samples": "53cb965750c48ed5a8e7f2dce2381612d0b6cdfbe400b5014d1de81e6325aa56",
         },
     }),
-    ({"torch": "2.13.0+cpu", "cpu": "AVX512", "cpu_model": "GenuineIntel 6/207"}, {
+    ({"torch": "2.13.0+cpu", "cpu": "AVX512", "cpu_models": ("GenuineIntel 6/207", "GenuineIntel 6/167")}, {
         "lora_single_turn": {
             "metrics": "60e3489a514a69b28e6746c13974232a257ad3a51013dd448cacec475dc0c908",
             "parameters": {
@@ -180,8 +183,12 @@ RECORDINGS: list[tuple[dict[str, str | None], dict[str, dict]]] = [
             "reward": [0.11874999850988388, 0.26874998211860657, 0.23749999701976776],
             "grad_norm": [0.2965422570705414, 0.21378357708454132, 0.2212788611650467],
             "parameter_abs_sum": {"first": 259.000956175325, "second": 261.9668452642509},
-            # No evaluation numbers: they were turn 1's, and this CPU was not at hand when held-out evaluation
-            # began to play both turns (2026-11-28); the test prints them here for pasting.
+            "evaluation": {
+                "reward/mean": 0.4625000059604645, "reward/std": 0.20615528523921967,
+                "count/digit_pairs": 1.625,
+                "count/hits": 0.125,
+            },
+            "evaluation_samples": "05c6e158ed587dcb3238bd2eff957f6451a062c82cf35b9d372e5786fbf19125",
         },
         "full": {
             "metrics": "b6271d1791037bf8e464566dd5a07a8856b3061c0685727de2d9162347a9de3a",
@@ -233,15 +240,16 @@ def _platform() -> dict[str, str | None]:
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "cpu_model": _cpu_model()}
 
 
-def recorded_numbers(platform: dict[str, str | None]) -> dict[str, dict] | None:
-    """The recording made on ``platform``'s CPU model, else the one for unlisted models of its capability."""
+def recorded_numbers(platform: dict[str, str | None]) -> tuple[dict[str, dict] | None, bool]:
+    """The recording made on ``platform``'s CPU model and True; else the one for unlisted models of its
+    instruction set and False (its numbers hold to the last bits only, not bit for bit); else (None, False)."""
     same_build = [(where, numbers) for where, numbers in RECORDINGS
                   if (where["torch"], where["cpu"]) == (platform["torch"], platform["cpu"])]
-    exact = [numbers for where, numbers in same_build if where["cpu_model"] == platform["cpu_model"]]
-    listed = {where["cpu_model"] for where, _ in same_build}
-    fallback = [numbers for where, numbers in same_build
-                if where["cpu_model"] is None and platform["cpu_model"] not in listed]
-    return (exact or fallback or [None])[0]
+    exact = [numbers for where, numbers in same_build if platform["cpu_model"] in where["cpu_models"]]
+    if exact:
+        return exact[0], True
+    fallback = [numbers for where, numbers in same_build if None in where["cpu_models"]]
+    return (fallback[0], False) if fallback else (None, False)
 
 
 def _digest(data: bytes) -> str:
@@ -281,7 +289,7 @@ def run(name: str, tiny_config, monkeypatch: pytest.MonkeyPatch) -> dict:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_training_steps_give_the_recorded_numbers_bit_for_bit(name, tiny_config, monkeypatch):
     got = run(name, tiny_config, monkeypatch)
-    recorded = recorded_numbers(_platform())
+    recorded, bit_for_bit = recorded_numbers(_platform())
     if recorded is None:
         pytest.skip(f"no numbers recorded on {_platform()} (recorded on: {[where for where, _ in RECORDINGS]}): "
                     "bit-level numbers hold for one torch build and CPU model (compare trees with "
@@ -290,6 +298,13 @@ def test_training_steps_give_the_recorded_numbers_bit_for_bit(name, tiny_config,
         pytest.fail(f"no expected values for {name!r} (platform {_platform()!r}); they are:\n"
                     f"{name!r}: {json.dumps(got)},")
     want = recorded[name]
+    if not bit_for_bit:  # another CPU model of the instruction set: its kernels' last bits differ
+        print(f"{name}: CPU model {_platform()['cpu_model']} has no recording; the clear numbers are compared "
+              f"within 1e-5, the digests not. To record it: {json.dumps(got)}")
+        for key in ("loss", "reward", "grad_norm", "parameter_abs_sum", "evaluation"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        return
     for key in ("loss", "reward", "grad_norm", "parameter_abs_sum"):
         assert got[key] == want[key], key
     if "evaluation" not in want:
@@ -298,5 +313,5 @@ def test_training_steps_give_the_recorded_numbers_bit_for_bit(name, tiny_config,
     else:
         assert got["evaluation"] == want["evaluation"], "evaluation"
         assert got["evaluation_samples"] == want["evaluation_samples"], "evaluation_samples"
-    assert got["metrics"] == want["metrics"]
-    assert got["parameters"] == want["parameters"]
+    for key in ("metrics", "parameters"):
+        assert got[key] == want[key], key
