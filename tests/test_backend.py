@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teamrl.backend import AgentBackend, LocalBackend, make_backend
+from teamrl.algorithms.base import AgentBackend
+from teamrl.backends import LocalBackend, make_backend
 from teamrl.team import Team
 from teamrl.train import Trainer
 

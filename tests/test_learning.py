@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teamrl.algorithms import magrpo
 from teamrl.rollout.generate import derive_seed
+from teamrl.rollout.tree import sample_tree
 
 SEEDS = [0, 1, 2]
 TURNS = ("reward/turn1/mean", "reward/turn2/mean")
@@ -45,7 +45,7 @@ def test_two_turn_team_learns_at_both_turns(tiny_config, train_and_evaluate, see
     # Measured: seeds 0, 1, 2 stop after 54, 40, 50 steps at 0.98/0.99, 0.98/0.98, 0.99/0.99 (turn 1/turn 2;
     # seeds 3-5: 43-49 steps, 0.98-0.99).
     trainer = train_and_evaluate.trainer
-    tree = magrpo.rollout(trainer.agents.sample, trainer.env, trainer.env.items("eval"), config.algorithm,
+    tree = sample_tree(trainer.agents.sample, trainer.env, trainer.env.items("eval"), config.algorithm,
                           seed=derive_seed(seed, "held-out"))
     held_out = [float(torch.tensor([result.total for result in turn.results]).mean()) for turn in tree.turns]
     assert len(held_out) == 2 and min(held_out) > 0.9, (seed, held_out)

@@ -16,6 +16,7 @@ from teamrl.cli import main
 from teamrl.envs.base import ENVIRONMENTS
 from teamrl.envs.digit_sum import DigitSumGame
 from teamrl.rewards.base import RewardResult
+from teamrl.rollout.tree import sample_tree
 from teamrl.run_dir import complete_checkpoints
 from teamrl.train import Trainer, batch_indices
 
@@ -113,9 +114,8 @@ def test_an_update_whose_gradients_are_not_finite_is_not_applied_and_stops_the_r
 @pytest.mark.parametrize("fast_update", [True, False])
 def test_either_update_path_refuses_an_optimiser_step_on_non_finite_gradients(tiny_config, fast_update):
     with Trainer(tiny_config(steps=1, optim={"fast_update": fast_update})) as trainer:
-        from teamrl.algorithms import magrpo
 
-        tree = magrpo.rollout(trainer.agents.sample, trainer.env, trainer.items[:2], trainer.config.algorithm)
+        tree = sample_tree(trainer.agents.sample, trainer.env, trainer.items[:2], trainer.config.algorithm)
         generations = [[turn.generations[i] for turn in tree.turns] for i in range(2)]
         advantages = [[torch.full((gen.completion_ids.shape[0],), math.inf) for gen in per_agent]
                       for per_agent in generations]

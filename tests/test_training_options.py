@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from teamrl.backend import make_scheduler
+from teamrl.algorithms.update import make_scheduler
 from teamrl.train import Trainer, batch_indices
 
 

@@ -8,7 +8,7 @@ same way. Checkpoints are ordered by their step number, never by name.
 
 The writer and the reader deal in :class:`AgentState` (plain CPU tensors and state dicts), not in live
 agents, so a driver can checkpoint agents that live in other processes or on other machines
-(:mod:`teamrl.distributed`) in the same format.
+(:mod:`teamrl.backends.ray`) in the same format.
 """
 
 from __future__ import annotations

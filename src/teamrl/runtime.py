@@ -1,5 +1,6 @@
 """What every teamrl entry point sets up in its process the same way: the libraries' console output
-(:func:`quiet_libraries`) and torch's threads (:func:`use_threads`).
+(:func:`quiet_libraries`), torch's threads (:func:`use_threads`) and the global random generators
+(:func:`seed_everything`: the Trainer's process and each Ray agent actor).
 
 The command line calls both before it loads a model. A Ray actor is a process of its own, which inherits
 neither the driver's warning filters nor, on a cluster, its environment: it calls :func:`quiet_libraries`
@@ -99,3 +100,15 @@ def busy_machine_warning(threads: int) -> str | None:
         return None
     return (f"teamrl: the machine is busy (load {load:.1f} on {cores} cores): torch's {threads} threads will "
             f"contend; pass --threads {fitting} (or set OMP_NUM_THREADS={fitting})")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (what building a team may draw from, e.g. LoRA init)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

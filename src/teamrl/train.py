@@ -1,8 +1,8 @@
 """The training loop: wires config -> environment -> team -> training steps, with logging and checkpoints.
 
-A step is a rollout (:func:`teamrl.algorithms.magrpo.rollout`) and what the run's algorithm
+A step is a rollout tree (:func:`teamrl.rollout.tree.sample_tree`) and what the run's algorithm
 (``algorithm.name``: MAGRPO, :mod:`teamrl.algorithms.magrpo`, by default; :mod:`teamrl.algorithms.base`)
-learns from it; the agents live behind :mod:`teamrl.backend`. This module only decides which items a
+learns from it; the agents live behind :mod:`teamrl.backends`. This module only decides which items a
 step sees, writes metrics and samples, and saves/resumes checkpoints.
 """
 
@@ -21,14 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import yaml
 
-from teamrl.algorithms import magrpo
-from teamrl.algorithms.base import Algorithm, make_algorithm, make_environment
-from teamrl.algorithms.magrpo import NonFiniteUpdate
-from teamrl.backend import AgentBackend, make_backend
+from teamrl.algorithms.base import AgentBackend, Algorithm, make_algorithm, make_environment
+from teamrl.algorithms.update import NonFiniteUpdate
+from teamrl.backends import make_backend
 from teamrl.checkpoint import (
     CheckpointUnreadable,
     NonFiniteWeights,
@@ -44,6 +42,7 @@ from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
 from teamrl.evaluation.plots import plot_run
 from teamrl.rollout.generate import derive_seed
+from teamrl.rollout.tree import RolloutTree, sample_tree
 from teamrl.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -59,10 +58,11 @@ from teamrl.run_dir import (
     complete_checkpoints,
     how_to_resume,
 )
+from teamrl.runtime import seed_everything
 from teamrl.team import Team
 
 if TYPE_CHECKING:
-    from teamrl.distributed import RayTeam
+    from teamrl.backends.ray import RayTeam
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Trainer:
     """Trains a team with the algorithm ``config`` names (MAGRPO by default), as ``config`` says.
 
     ``team`` and ``env`` may be given directly (Python API); otherwise they are built from the config.
-    The Trainer reaches the agents only through :attr:`agents`, an :class:`~teamrl.backend.AgentBackend`:
+    The Trainer reaches the agents only through :attr:`agents`, an :class:`~teamrl.algorithms.base.AgentBackend`:
     in this process (sampled by transformers or vLLM), or in Ray actors (``distributed.backend='ray'``),
     which this process drives: it samples every turn through all of them at once, computes rewards and
     advantages itself, and has them all update at once.
@@ -158,7 +158,7 @@ class Trainer:
             raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
                              f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
         self.agents: AgentBackend = make_backend(config, self.env, team)
-        """Where the agents live and how they are sampled and updated (:mod:`teamrl.backend`)."""
+        """Where the agents live and how they are sampled and updated (:mod:`teamrl.backends`)."""
         self.agent_names = self.agents.names
         self.algorithm: Algorithm = make_algorithm(config, self.env, self.agents)
         """What a step learns from its rollout (``algorithm.name``, :mod:`teamrl.algorithms.base`)."""
@@ -189,7 +189,7 @@ class Trainer:
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
         # Every draw of the step is seeded from (seed, step): a resumed run, or one whose agents live in
         # Ray actors, samples and updates exactly as this uninterrupted, single-process one.
-        tree = magrpo.rollout(self.agents.sample, self.env, items, config.algorithm,
+        tree = sample_tree(self.agents.sample, self.env, items, config.algorithm,
                               seed=derive_seed(config.seed, self.step))
         names = self.agent_names
         generation_seconds = sum(t.generation_seconds for t in tree.turns)
@@ -283,7 +283,7 @@ class Trainer:
 
     @property
     def team(self) -> Team | RayTeam:
-        """The team: its agents in this process, or the :class:`~teamrl.distributed.RayTeam` of its actors."""
+        """The team: its agents in this process, or the :class:`~teamrl.backends.ray.RayTeam` of its actors."""
         return self.agents.team
 
     def save_team(self, directory: str | Path | None = None) -> Path:
@@ -461,7 +461,7 @@ def task_record(task: Environment) -> dict[str, Any]:
         return {"name": type(task).__qualname__, "unavailable": str(err)}
 
 
-def _samples(tree: magrpo.Rollout, per_turn: int = 2) -> list[dict[str, Any]]:
+def _samples(tree: RolloutTree, per_turn: int = 2) -> list[dict[str, Any]]:
     """A few joint actions per turn with what each agent saw and the reward, for samples.jsonl."""
     out = []
     for t, turn in enumerate(tree.turns, start=1):
@@ -560,13 +560,6 @@ def _require(package: str, field: str) -> None:
 
     if importlib.util.find_spec(package) is None:
         raise ValueError(f"{field}: needs the {package!r} package; pip install 'teamrl[{package}]' or turn it off")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's global RNGs (what building a team may draw from, e.g. LoRA init)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class _TensorBoard:

@@ -18,7 +18,6 @@ from teamrl.algorithms.advantages import (
     absorbing_factor,
     agent_advantages,
     best_of_others,
-    joint_action_combos,
     leave_one_out,
     mean_baseline,
     no_baseline,
@@ -29,6 +28,7 @@ from teamrl.algorithms.advantages import (
 from teamrl.config import AlgorithmConfig
 from teamrl.envs import make_env
 from teamrl.rewards.base import RewardResult
+from teamrl.rollout.tree import RolloutTree, Turn, joint_action_combos, rollout_metrics, sample_tree
 
 
 def t(values) -> torch.Tensor:
@@ -346,12 +346,12 @@ def test_agent_advantages_cross_3x3_two_points():
 # --------------------------------------------------------------------------------------------------
 
 
-def make_turn(rewards, parents, combos, num_agents: int, num_samples: int, terminated=None) -> magrpo.Turn:
+def make_turn(rewards, parents, combos, num_agents: int, num_samples: int, terminated=None) -> Turn:
     rewards = t(rewards)
     points = rewards.shape[0]
     generations = [SimpleNamespace(completion_ids=torch.zeros(points * num_samples, 3, dtype=torch.long),
                                    texts=[""] * (points * num_samples)) for _ in range(num_agents)]
-    return magrpo.Turn(
+    return Turn(
         parents=torch.tensor(parents),
         items=[{"id": str(e)} for e in range(points)],
         histories=[() for _ in range(points)],
@@ -365,7 +365,7 @@ def make_turn(rewards, parents, combos, num_agents: int, num_samples: int, termi
 
 
 def run_advantages(turns, num_agents: int, **config):
-    tree = magrpo.Rollout(turns=turns)
+    tree = RolloutTree(turns=turns)
     per_agent, returns = magrpo.advantages(tree, num_agents, AlgorithmConfig(**config))
     assert len(per_agent) == num_agents
     assert all(len(per_turn) == len(turns) for per_turn in per_agent)
@@ -586,7 +586,7 @@ def test_rollout_records_terminated_joint_actions_and_returns_treat_them_as_abso
     env = make_env("digit_sum", targets=[9], length=2, num_train=1, num_eval=1)
     config = AlgorithmConfig(num_generations=2, num_turns=3, early_termination_threshold=1.0, advantage="mean")
     # Every turn: joint action 0 is exact (1.0, meets the threshold), joint action 1 is not (0.1).
-    tree = magrpo.rollout(scripted_sampler([EXACT] * 3), env, env.items("train"), config)
+    tree = sample_tree(scripted_sampler([EXACT] * 3), env, env.items("train"), config)
     assert [turn.terminated.tolist() for turn in tree.turns] == [[[True, False]], [[True, False]], [[False, False]]]
     assert [turn.parents.tolist() for turn in tree.turns] == [[0], [1], [1]]  # only joint action 1 grew
     per_agent, returns = magrpo.advantages(tree, 2, config)
@@ -597,7 +597,7 @@ def test_rollout_records_terminated_joint_actions_and_returns_treat_them_as_abso
     close(returns[1].squeeze(-1), [[2, 0.65]])
     close(returns[0].squeeze(-1), [[3, 1.425]])
     close(per_agent[0][0], [0.7875, -0.7875])  # (3 - 1.425) / 2
-    metrics = magrpo.rollout_metrics(tree, returns, per_agent)
+    metrics = rollout_metrics(tree, returns, per_agent)
     assert [metrics[f"turn{t}/terminated"] for t in (1, 2, 3)] == [1.0, 1.0, 0.0]
     assert metrics["return/turn1/mean"] == pytest.approx((3 + 1.425) / 2)
 
@@ -606,7 +606,7 @@ def test_rollout_that_stops_every_joint_action_values_them_to_the_horizon():
     env = make_env("digit_sum", targets=[9], length=2, num_train=1, num_eval=1)
     config = AlgorithmConfig(num_generations=2, num_turns=2, early_termination_threshold=1.0)
     both_exact = (("4 5", "4 5"), ("5 4", "5 4"))
-    tree = magrpo.rollout(scripted_sampler([both_exact]), env, env.items("train"), config)
+    tree = sample_tree(scripted_sampler([both_exact]), env, env.items("train"), config)
     assert len(tree.turns) == 1 and tree.turns[0].terminated.tolist() == [[True, True]]
     _, returns = magrpo.advantages(tree, 2, config)
     close(returns[0].squeeze(-1), [[2, 2]])  # 1.0 on both turns of the horizon

@@ -7,14 +7,13 @@ import torch
 
 from teamrl.algorithms.advantages import (
     agent_advantages,
-    balanced_joint_design,
-    joint_action_combos,
     normalize_per_agent,
     sample_advantages,
 )
 from teamrl.config import ConfigError
 from teamrl.envs.base import Environment
 from teamrl.rewards.base import RewardResult
+from teamrl.rollout.tree import balanced_joint_design, joint_action_combos
 
 
 @pytest.mark.parametrize("n, g, cap", [(3, 4, 16), (3, 4, 10), (4, 3, 20), (3, 2, 7), (3, 4, 63), (2, 4, 4)])
@@ -119,7 +118,11 @@ class DigitTeam(Environment):
     (4, {"joint_mode": "aligned", "normalize_advantages": "agent"}),
 ])
 def test_three_and_four_agents_train_end_to_end(tiny_config, num_agents, algorithm):
-    from teamrl.algorithms.magrpo import advantages, rollout, team_sampler
+    import functools
+
+    from teamrl.algorithms.magrpo import advantages
+    from teamrl.rollout.generate import sample_team
+    from teamrl.rollout.tree import sample_tree
     from teamrl.train import Trainer
 
     config = tiny_config(steps=2, items_per_step=2,
@@ -129,7 +132,7 @@ def test_three_and_four_agents_train_end_to_end(tiny_config, num_agents, algorit
     trainer = Trainer(config, env=env)
     try:
         before = [[p.detach().clone() for p in agent.parameters] for agent in trainer.team]
-        tree = rollout(team_sampler(trainer.team), env, env.items()[:2], config.algorithm, seed=3)
+        tree = sample_tree(functools.partial(sample_team, trainer.team), env, env.items()[:2], config.algorithm, seed=3)
         cross = algorithm["joint_mode"] == "cross"
         for turn in tree.turns:
             assert turn.combos.shape == ((16 if cross else 4), num_agents)

@@ -3,11 +3,15 @@ and the same update as the plain one in magrpo.py."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from teamrl.algorithms import fast_update, magrpo
-from teamrl.backend import train_agents
+from teamrl.backends.local import train_agents
+from teamrl.rollout.generate import sample_team
+from teamrl.rollout.tree import sample_tree
 from teamrl.train import Trainer
 
 
@@ -19,7 +23,7 @@ def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch(tiny_config,
     with torch.no_grad():  # LoRA's B starts at zero, which would leave A without a gradient to compare
         for param in trainer.team[0].parameters:
             param.add_(torch.randn_like(param) * 0.05)
-    tree = magrpo.rollout(magrpo.team_sampler(trainer.team), trainer.env, trainer.items[:4], config.algorithm)
+    tree = sample_tree(functools.partial(sample_team, trainer.team), trainer.env, trainer.items[:4], config.algorithm)
     advantages, _ = magrpo.advantages(tree, len(trainer.team), config.algorithm)
     agent = trainer.team[0]
     threads_used = []
@@ -69,7 +73,7 @@ def test_agents_on_one_base_pool_their_micro_batches_with_each_agents_own_update
     pooled, alone = _two_identical_lora_teams(config)
     team = list(pooled.team)
     assert team[0].model is team[1].model and fast_update.update_pools(team, 2) == [[0, 1]]
-    tree = magrpo.rollout(magrpo.team_sampler(pooled.team), pooled.env, pooled.items[:1], config.algorithm)
+    tree = sample_tree(functools.partial(sample_team, pooled.team), pooled.env, pooled.items[:1], config.algorithm)
     advantages, _ = magrpo.advantages(tree, 2, config.algorithm)
     generations = [[t.generations[i] for t in tree.turns] for i in range(2)]
     assert [len(g) for g in generations] == [2, 2]  # 1 + 2 micro-batches per agent: an odd count for 2 threads
@@ -115,7 +119,7 @@ def test_the_fast_update_computes_the_plain_update(tiny_config, monkeypatch, kl_
                                     "num_iterations": num_iterations})
     fast, plain = _two_identical_lora_teams(config)
     before = [p.detach().clone() for p in plain.team[0].parameters]
-    tree = magrpo.rollout(magrpo.team_sampler(fast.team), fast.env, fast.items[:2], config.algorithm)
+    tree = sample_tree(functools.partial(sample_team, fast.team), fast.env, fast.items[:2], config.algorithm)
     advantages, _ = magrpo.advantages(tree, 2, config.algorithm)
     generations = [[t.generations[i] for t in tree.turns] for i in range(2)]
     assert fast_update.update_pools(list(fast.team), config.optim.parallel_micro_batches) == [[0, 1]]

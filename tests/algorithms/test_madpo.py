@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from teamrl.algorithms import magrpo
 from teamrl.algorithms.logprobs import completion_logprobs
 from teamrl.algorithms.losses import update_loss
 from teamrl.config import AlgorithmConfig, ConfigError, DPOConfig
 from teamrl.rewards.base import RewardResult
+from teamrl.rollout.tree import sample_tree
 from teamrl.train import Trainer
 
 MADPO = {"name": "madpo", "num_generations": 4}
@@ -84,7 +84,7 @@ def test_a_step_is_gradient_descent_on_multi_agent_dpo(tiny_config, training, fa
         for agent in trainer.team:
             for p in agent.parameters:
                 p.add_(torch.randn_like(p) * (0.3 if training == "lora" else 0.02))
-    tree = magrpo.rollout(trainer.agents.sample, trainer.env, trainer.items[:2], config.algorithm, seed=5)
+    tree = sample_tree(trainer.agents.sample, trainer.env, trainer.items[:2], config.algorithm, seed=5)
     # parts[m, i]: the sample agent i plays in joint action m; aligned its m-th, cross every pairing in order
     parts = (torch.arange(num_samples).unsqueeze(1).repeat(1, 2) if joint_mode == "aligned"
              else torch.tensor(list(itertools.product(range(num_samples), repeat=2))))

@@ -3,18 +3,23 @@ and the small pieces it is made of."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from teamrl.algorithms import magrpo
 from teamrl.algorithms.logprobs import completion_logprobs
+from teamrl.algorithms.update import UpdateStats, micro_batches, update_agent
+from teamrl.rollout.generate import sample_team
+from teamrl.rollout.tree import sample_tree
 from teamrl.train import Trainer
 
 
 def _one_rollout(trainer: Trainer):
     """Agent 0's completions of every turn and their advantages, for the trainer's first two items."""
     config = trainer.config.algorithm
-    tree = magrpo.rollout(magrpo.team_sampler(trainer.team), trainer.env, trainer.items[:2], config, seed=3)
+    tree = sample_tree(functools.partial(sample_team, trainer.team), trainer.env, trainer.items[:2], config, seed=3)
     advantages, _ = magrpo.advantages(tree, len(trainer.team), config)
     return [turn.generations[0] for turn in tree.turns], advantages[0]
 
@@ -48,7 +53,7 @@ def test_one_on_policy_step_is_gradient_ascent_on_eq2(tiny_config):
 
     lr = 0.01
     optimizer, scheduler = _sgd(agent, lr)
-    stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, trainer.config.algorithm,
+    stats = update_agent(agent, generations, advantages, optimizer, scheduler, trainer.config.algorithm,
                                 micro_batch_size=3)
     for after, start, grad in zip(agent.parameters, before, expected):
         torch.testing.assert_close(after - start, lr * grad, rtol=1e-4, atol=1e-7)
@@ -68,7 +73,7 @@ def test_zero_advantages_leave_the_weights_and_train_no_tokens(tiny_config):
     generations, advantages = _one_rollout(trainer)
     before = [p.detach().clone() for p in agent.parameters]
     optimizer, scheduler = _sgd(agent, 0.1)
-    stats = magrpo.update_agent(agent, generations, [torch.zeros_like(a) for a in advantages], optimizer, scheduler,
+    stats = update_agent(agent, generations, [torch.zeros_like(a) for a in advantages], optimizer, scheduler,
                                 trainer.config.algorithm)
     assert all(torch.equal(p, b) for p, b in zip(agent.parameters, before))
     assert stats == {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
@@ -81,7 +86,7 @@ def test_the_gradient_is_clipped_to_max_grad_norm_and_the_norm_before_is_reporte
     before = [p.detach().clone() for p in agent.parameters]
     lr, max_norm = 1.0, 1e-3
     optimizer, scheduler = _sgd(agent, lr)
-    stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, trainer.config.algorithm,
+    stats = update_agent(agent, generations, advantages, optimizer, scheduler, trainer.config.algorithm,
                                 max_grad_norm=max_norm)
     assert stats["grad_norm"] > max_norm
     moved = torch.cat([(p - b).flatten() for p, b in zip(agent.parameters, before)]).norm()
@@ -95,7 +100,7 @@ def test_later_passes_are_off_policy_and_clipped(tiny_config):
     agent = trainer.team[0]
     generations, advantages = _one_rollout(trainer)
     optimizer, scheduler = _sgd(agent, 5.0)  # big steps: the second pass's ratios leave [0.99, 1.01]
-    stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm)
+    stats = update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm)
     assert 0.0 < stats["clip_fraction"] < 1.0
     assert scheduler.last_epoch == 3  # one optimiser step per pass
 
@@ -106,19 +111,19 @@ def test_the_kl_term_needs_and_uses_the_reference(tiny_config):
     agent = trainer.team[0]
     generations, advantages = _one_rollout(trainer)
     optimizer, scheduler = _sgd(agent, 1.0)
-    stats = magrpo.update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm)
+    stats = update_agent(agent, generations, advantages, optimizer, scheduler, config.algorithm)
     # The first pass starts at the reference (KL 0); the second, after a step away from it, does not.
     assert stats["kl"] > 0
 
 
 def test_micro_batches_cover_every_row_once_in_order():
-    assert magrpo.micro_batches(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert magrpo.micro_batches(10, 0) == [(0, 10)]
-    assert magrpo.micro_batches(3, 5) == [(0, 3)]
+    assert micro_batches(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert micro_batches(10, 0) == [(0, 10)]
+    assert micro_batches(3, 5) == [(0, 3)]
 
 
 def test_update_stats_average_over_optimiser_steps_and_weight_by_tokens():
-    stats = magrpo.UpdateStats(num_iterations=2)
+    stats = UpdateStats(num_iterations=2)
     stats.add(1.0, {"clip_fraction": 0.5, "tokens": 2.0, "kl": 0.1})
     stats.add(3.0, {"clip_fraction": 0.0, "tokens": 6.0})  # no KL term: counts as 0
     stats.end_step(grad_norm=4.0)

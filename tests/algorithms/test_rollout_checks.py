@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from teamrl.algorithms import magrpo
 from teamrl.envs.digit_sum import DigitSumGame
 from teamrl.rewards.base import RewardResult
+from teamrl.rollout.tree import sample_tree
 from teamrl.train import Trainer
 
 
@@ -22,7 +22,7 @@ def _game(name: str, **methods) -> DigitSumGame:
 def _rollout(tiny_config, env, **algorithm):
     config = tiny_config(algorithm={"num_generations": 2, **algorithm})
     with Trainer(config, env=env) as trainer:
-        return magrpo.rollout(trainer.agents.sample, trainer.env, trainer.items[:2], config.algorithm, seed=1)
+        return sample_tree(trainer.agents.sample, trainer.env, trainer.items[:2], config.algorithm, seed=1)
 
 
 def _refused(tiny_config, env, **algorithm) -> str:

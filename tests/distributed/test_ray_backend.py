@@ -138,7 +138,7 @@ def test_ray_checkpoints_resume_and_saved_team_are_the_local_format(local_ray, t
 def test_the_actors_of_a_quiet_driver_keep_the_libraries_quiet(local_ray, tiny_config_data, tmp_path, monkeypatch):
     # An actor's process inherits neither the driver's warning filters nor, on a cluster, its environment:
     # it is told to be quiet when the driver is (teamrl without --verbose), and only then.
-    from teamrl.distributed import ray_team
+    from teamrl.backends import ray as ray_team
     from teamrl.envs.base import make_env
 
     def library_output_off(worker) -> bool:  # run in the actor

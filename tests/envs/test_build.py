@@ -271,8 +271,9 @@ def _scripted_sampler(pool):
 def test_with_discount_one_monte_carlo_advantages_are_the_same_shaped_or_sparse(estimator):
     # Shaped and sparse returns from a node differ by what its history earned, which its siblings share; a
     # group-relative baseline takes it out. So MAGRPO's update is the same on both variants when gamma = 1.
-    from teamrl.algorithms.magrpo import advantages, rollout
+    from teamrl.algorithms.magrpo import advantages
     from teamrl.config import AlgorithmConfig
+    from teamrl.rollout.tree import sample_tree
 
     pool = ["place 0 0 0 R", "place 2 0 0 R\nplace 3 1 0 G", "place 0 0 1 G", "remove 0 0 0", "place 9 0 0 R",
             "place 1 1 0 G", "chatter"]
@@ -280,7 +281,7 @@ def test_with_discount_one_monte_carlo_advantages_are_the_same_shaped_or_sparse(
     def run(sparse, discount):
         build = env(max_turns=3, sparse=sparse)
         config = AlgorithmConfig(num_generations=3, num_turns=3, discount=discount, advantage=estimator)
-        tree = rollout(_scripted_sampler(pool), build, [ITEM], config, seed=5)
+        tree = sample_tree(_scripted_sampler(pool), build, [ITEM], config, seed=5)
         per_agent, returns = advantages(tree, 2, config)
         return torch.cat([torch.cat(turns) for turns in per_agent]), returns
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import teamrl.envs.coding as coding
-from teamrl.algorithms import magrpo
 from teamrl.config import AlgorithmConfig
 from teamrl.envs import Step, make_env
+from teamrl.rollout.tree import sample_tree
 
 FAST_LIMITS = {"test_timeout_s": 1.0, "program_timeout_s": 3.0, "cpu_time_s": 1, "memory_bytes": 256 << 20}
 ENTRY = "separate_paren_groups"  # HumanEval/1, the one training problem of limit=2, eval_size=1
@@ -143,7 +143,7 @@ def test_a_two_turn_rollout_of_hostile_completions_completes_with_feedback_on_th
     first_turn = ((deep_aux, BROKEN[0]), (deep_main, garbage))  # aligned: (deep_aux, deep_main), (BROKEN, garbage)
     second_turn = ((BROKEN[0], BROKEN[0]), (BROKEN[1], BROKEN[1]))
     config = AlgorithmConfig(num_generations=2, num_turns=2)
-    tree = magrpo.rollout(scripted_sampler([first_turn, second_turn]), env, env.items("train"), config)
+    tree = sample_tree(scripted_sampler([first_turn, second_turn]), env, env.items("train"), config)
     assert len(tree.turns) == 2 and tree.turns[1].rewards.shape == (2, 2, 1)
     (deep_helper_obs, deep_main_obs), (_, garbage_obs) = tree.turns[1].observations
     assert re.search(r"^- The code could not be analysed: (RecursionError|TooDeep)", feedback(deep_helper_obs),

@@ -74,7 +74,7 @@ def test_training_view_names_the_numbers_as_training_logs_them():
     view, samples = training_view(metrics, records)
     assert list(view) == ["reward/mean", "reward/std", "reward/syntax", "reward/tests", "count/tests_passed",
                           "count/tests_total"]
-    totals = torch.tensor([0.1, 0.2, 0.4])  # float32, as training's reward/mean (magrpo.rollout_metrics)
+    totals = torch.tensor([0.1, 0.2, 0.4])  # float32, as training's reward/mean (rollout_metrics)
     assert view["reward/mean"] == float(totals.mean()) == pytest.approx(statistics.fmean([0.1, 0.2, 0.4]))
     assert view["reward/std"] == float(totals.std()) == pytest.approx(statistics.stdev([0.1, 0.2, 0.4]))
     assert view["reward/syntax"] == 0.5 and view["count/tests_total"] == 2.0

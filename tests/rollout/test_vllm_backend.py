@@ -19,11 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from teamrl.algorithms.logprobs import token_logprobs
+from teamrl.backends.vllm import VLLMBackend
 from teamrl.config import ConfigError, RolloutConfig, SamplingConfig, config_from_dict, load_config
 from teamrl.models.tiny import tiny_model, tiny_tokenizer
 from teamrl.rollout.generate import encode_prompts, generate_team
-from teamrl.rollout.vllm_backend import (
-    VLLMBackend,
+from teamrl.rollout.vllm_sampler import (
     VLLMSampler,
     engine_kwargs,
     engine_memory_share,
@@ -117,7 +117,7 @@ def test_sleep_mode_with_more_than_one_engine_is_refused_at_load_time(tiny_confi
 
 
 def test_transformers_backend_samples_in_this_process(tiny_config):
-    from teamrl.backend import LocalBackend
+    from teamrl.backends.local import LocalBackend
 
     assert type(Trainer(tiny_config(steps=1)).agents) is LocalBackend
 

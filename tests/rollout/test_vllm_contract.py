@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from teamrl.config import VLLM_TEMPERATURE_RANGE, RolloutConfig, SamplingConfig
-from teamrl.rollout.vllm_backend import (
+from teamrl.rollout.vllm_sampler import (
     VLLM_LORA_RANKS,
     VLLMSampler,
     engine_kwargs,

@@ -210,9 +210,9 @@ def test_when_every_agents_call_fails_each_error_is_read_and_the_first_answers(d
 
     from teamrl.serve.engine import Job, RequestError
     from teamrl.serve.metrics import ServerMetrics
-    from teamrl.serve.vllm_backend import VLLMBackend
+    from teamrl.serve.vllm_proxy import VLLMProxy
 
-    backend = VLLMBackend(digits_served, ServerMetrics(), "http://127.0.0.1:9/v1")
+    backend = VLLMProxy(digits_served, ServerMetrics(), "http://127.0.0.1:9/v1")
 
     async def fail(client, job, index):
         await asyncio.sleep(0.01)  # both calls fail in the same turn of the loop: both are in `done`

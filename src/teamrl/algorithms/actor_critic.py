@@ -1,6 +1,6 @@
 """Actor-critic for LLM teams: IAC (independent critics) and MAAC (one centralised critic).
 
-Both learn from the rollout tree MAGRPO samples (:func:`teamrl.algorithms.magrpo.rollout`). Where MAGRPO's
+Both learn from the rollout tree MAGRPO samples (:func:`teamrl.rollout.tree.sample_tree`). Where MAGRPO's
 baseline is the mean return of a joint action's siblings (Eq. 1), theirs is a learned value of the state
 the joint action was taken from, V(s_e), one per expansion point e of the tree:
 
@@ -44,13 +44,13 @@ import torch
 from teamrl.algorithms.advantages import absorbing_factor, agent_advantages, tree_returns
 from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.critic import build_critics
-from teamrl.algorithms.magrpo import Rollout, rollout_metrics
 from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import derive_seed, seeded
+from teamrl.rollout.tree import RolloutTree, rollout_metrics
 
 if TYPE_CHECKING:
-    from teamrl.backend import AgentBackend
+    from teamrl.algorithms.base import AgentBackend
     from teamrl.checkpoint import AgentState
 
 
@@ -123,7 +123,7 @@ class ActorCritic:
             return ["\n\n".join(f"{name}: {obs}" for name, obs in zip(self.names, observations))]
         return list(observations)
 
-    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+    def learn(self, tree: RolloutTree, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
         config, turns = self.config, tree.turns
         parents, terminated = [t.parents for t in turns], [t.terminated for t in turns]
         sizes = [len(t.parents) for t in turns]

@@ -8,12 +8,12 @@ advantages are (E, G), one per sample it drew at each point (:func:`sample_advan
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from teamrl._deprecated import moved_names
 from teamrl.registry import registrar
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
@@ -155,77 +155,6 @@ def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], disco
     return returns
 
 
-def joint_action_combos(num_agents: int, num_samples: int, mode: str, max_joint_actions: int | None = None,
-                        seed: int = 0) -> torch.Tensor:
-    """(M, n): which of its G samples each agent contributes to joint action m.
-
-    'aligned': M = G. 'cross': every combination, M = G^n, unless ``max_joint_actions`` caps it below G^n;
-    then M = cap combinations drawn by :func:`balanced_joint_design` (seeded by ``seed``, so a resumed run
-    or a Ray actor draws the same design).
-    """
-    if mode == "aligned":
-        return torch.arange(num_samples).unsqueeze(1).expand(num_samples, num_agents).contiguous()
-    if mode == "cross":
-        if max_joint_actions is not None and max_joint_actions < num_samples**num_agents:
-            return balanced_joint_design(num_agents, num_samples, max_joint_actions, seed)
-        return torch.tensor(list(itertools.product(range(num_samples), repeat=num_agents)))
-    raise ValueError(f"algorithm.joint_mode: unknown mode {mode!r}; use 'aligned' or 'cross'")
-
-
-def balanced_joint_design(num_agents: int, num_samples: int, size: int, seed: int) -> torch.Tensor:
-    """(size, n) distinct joint actions out of the G^n, in which each agent's every sample appears
-    floor(size/G) or ceil(size/G) times (a Latin-hypercube-like design).
-
-    Why balanced: :func:`agent_advantages` values a sample by the mean over the joint actions it is in, so
-    every sample must be in at least one (size >= G), and equal counts give every sample the same precision.
-    Why unbiased: the design is drawn, then each agent's sample labels are relabelled by an independent
-    uniform permutation. Its law is thus invariant under relabelling any agent's samples, a group that acts
-    transitively on the partners' G^(n-1) combinations; so for a sample g, every partner combination p has
-    the same E[1{p in g's joint actions} / (g's count)], and these sum to 1: the expected value of g
-    (its mean return over a random subset of its partners' combinations) is its full-cross value, and
-    the group mean over the design is the full-cross mean. Linear estimators ('mean', 'none', 'rloo') stay
-    unbiased for the full-cross advantage; 'std' and 'max' are nonlinear, as with any finite group.
-
-    Construction: each column a random permutation of a balanced multiset of labels; duplicate rows are
-    removed by swapping one agent's labels between two rows (a swap keeps every column's counts), then the
-    labels are relabelled per agent.
-    """
-    total = num_samples**num_agents
-    if not num_samples <= size <= total:
-        raise ValueError(f"algorithm.max_joint_actions: a capped design needs G={num_samples} <= cap <= G^n={total}"
-                         f" (got {size})")
-    rng = torch.Generator().manual_seed(seed)
-    base = torch.arange(size) % num_samples  # each label floor or ceil(size/G) times
-    design = torch.stack([base[torch.randperm(size, generator=rng)] for _ in range(num_agents)], dim=1)
-    _remove_duplicate_rows(design, num_samples, rng)
-    relabel = torch.stack([torch.randperm(num_samples, generator=rng) for _ in range(num_agents)], dim=1)
-    return relabel.gather(0, design)
-
-
-def _remove_duplicate_rows(design: torch.Tensor, num_samples: int, rng: torch.Generator) -> None:
-    """Make ``design``'s rows distinct in place by column-wise swaps (each column keeps its multiset)."""
-    size, num_agents = design.shape
-    weights = num_samples ** torch.arange(num_agents - 1, -1, -1)
-    for _ in range(1000 * size):
-        keys = design @ weights
-        unique, counts = keys.unique(return_counts=True)
-        if len(unique) == size:
-            return
-        duplicated = unique[counts > 1]
-        rows = torch.nonzero(torch.isin(keys, duplicated)).flatten()
-        r = int(rows[torch.randint(len(rows), (1,), generator=rng)])
-        s = int(torch.randint(size, (1,), generator=rng))
-        j = int(torch.randint(num_agents, (1,), generator=rng))
-        new_r, new_s = design[r].clone(), design[s].clone()
-        new_r[j], new_s[j] = design[s, j], design[r, j]
-        key_r, key_s = int(new_r @ weights), int(new_s @ weights)
-        others = torch.cat([keys[:min(r, s)], keys[min(r, s) + 1:max(r, s)], keys[max(r, s) + 1:]])
-        # Accept a swap that does not add a duplicate: r's new row and s's new row are both free.
-        if key_r != key_s and not torch.isin(torch.tensor([key_r, key_s]), others).any():
-            design[r], design[s] = new_r, new_s
-    raise RuntimeError(f"could not draw {size} distinct balanced joint actions; lower algorithm.max_joint_actions")
-
-
 def normalize_per_agent(per_agent: list[list[torch.Tensor]], eps: float = 1e-4) -> list[list[torch.Tensor]]:
     """Each agent's advantages (one tensor per turn) divided by that agent's own population std over the
     step (every turn's completions together), not re-centred (the group baseline already centred them).
@@ -251,3 +180,8 @@ def agent_advantages(joint: torch.Tensor, combos: torch.Tensor, agent: int, num_
     """
     membership = F.one_hot(combos[:, agent], num_samples).to(joint.dtype)  # (M, G)
     return joint @ membership / membership.sum(dim=0)
+
+
+# The joint-action designs moved to the rollout tree's module (issue #47).
+__getattr__ = moved_names(__name__, {"joint_action_combos": "teamrl.rollout.tree:joint_action_combos",
+                                     "balanced_joint_design": "teamrl.rollout.tree:balanced_joint_design"})

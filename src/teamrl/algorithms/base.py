@@ -1,9 +1,10 @@
 """Training algorithms, selectable by ``algorithm.name``: what a step learns from its rollout.
 
-Every algorithm shares the step's first half, :func:`teamrl.algorithms.magrpo.rollout` (each agent's G
+Every algorithm shares the step's first half, :func:`teamrl.rollout.tree.sample_tree` (each agent's G
 completions of its observations, joint actions, rewards, the multi-turn tree). What it does with the tree
 is its own: MAGRPO (:mod:`teamrl.algorithms.magrpo`) computes group-relative advantages and updates every
-agent through its :class:`~teamrl.backend.AgentBackend`; another algorithm may derive advantages from a
+agent through its :class:`AgentBackend` (where the agents live: :mod:`teamrl.backends`, which implement this
+protocol; nothing here imports them); another algorithm may derive advantages from a
 learned critic, pair joint actions into preferences, or train a reward model first. An algorithm is a
 class registered under its name with :func:`register_algorithm`, built once per run by
 :func:`make_algorithm`; what it trains besides the agents (a critic, a reward model) it hands to the
@@ -21,16 +22,56 @@ from teamrl.config import ALGORITHM_NAMES, TrainConfig
 from teamrl.registry import registrar
 
 if TYPE_CHECKING:
-    from teamrl.algorithms.magrpo import Rollout
-    from teamrl.backend import AgentBackend
+    import torch
+
     from teamrl.checkpoint import AgentState
     from teamrl.envs.base import Environment
+    from teamrl.rollout.generate import Generation
+    from teamrl.rollout.tree import RolloutTree
+
+
+class AgentBackend(Protocol):
+    """A team's agents, in seat order, wherever they live."""
+
+    names: list[str]
+    """Every agent's name, in seat order."""
+
+    def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+        """For every agent i, ``num_samples`` completions of each of its own observations ``observations[i]``,
+        prompted in its role; ``seed`` fixes the tokens (the same ones in every implementation)."""
+        ...
+
+    def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
+        """For every agent i, the (B, C) log-probs of ``generations[i]``'s completion tokens under its
+        current policy (temperature-scaled, as sampled), or with ``reference`` under its frozen reference
+        policy, without gradients."""
+        ...
+
+    def update(self, generations: Sequence[list[Generation]], advantages: Sequence[list[torch.Tensor]],
+               seeds: Sequence[int], loss: str = "policy_gradient") -> list[dict[str, float]]:
+        """Every agent's update of a step (agent i: its completions of every turn, their advantages, the
+        seed of whatever its update draws); each agent's statistics and the learning rate it leaves.
+        ``loss``: the registered loss (:data:`~teamrl.algorithms.losses.LOSSES`) it minimises, whose per-row
+        values ``advantages`` holds."""
+        ...
+
+    def states(self) -> list[AgentState]:
+        """Every agent's trained parameters and optimiser and schedule state, for a checkpoint."""
+        ...
+
+    def load_states(self, states: Sequence[AgentState], source: str | Path) -> None:
+        """Resume every agent from its state, read from checkpoint ``source``."""
+        ...
+
+    def save(self, directory: str | Path, metadata: dict | None = None) -> Path:
+        """Write the team as :meth:`Team.save_pretrained` does (loadable with :meth:`Team.from_pretrained`)."""
+        ...
 
 
 class Algorithm(Protocol):
     """One run's learning rule. Built as ``cls(config, env, agents)``."""
 
-    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+    def learn(self, tree: RolloutTree, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
         """Learn from one step's rollout ``tree``: update every agent of ``agents`` (``seeds[i]`` seeds whatever
         agent i's update draws) and whatever else the algorithm trains; the step's metrics."""
         ...

@@ -6,7 +6,7 @@ single-agent prompt) and writes one completion a, which the task splits into the
 (a_1, ..., a_n) = split(a) and scores with its own joint reward r = R(split(a)). Training is MAGRPO's
 with n = 1:
 
-1. Rollout (:func:`~teamrl.algorithms.magrpo.rollout`): G completions a^1..a^G of o per item, each
+1. Rollout (:func:`~teamrl.rollout.tree.sample_tree`): G completions a^1..a^G of o per item, each
    scored r_g = R(split(a^g)).
 2. Advantages, Eq. 1 (:func:`~teamrl.algorithms.magrpo.advantages`): A_g = r_g - mean(r) over the G
    completions (or the estimator ``algorithm.advantage`` names).

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from teamrl.algorithms.magrpo import clip_gradients, micro_batches
+from teamrl.algorithms.update import clip_gradients, make_optimizer, micro_batches
 from teamrl.checkpoint import AgentState, agent_state, restore_agent_state
 from teamrl.team import Team, _add_adapter, load_base_model
 
 if TYPE_CHECKING:
-    from teamrl.backend import AgentBackend
+    from teamrl.algorithms.base import AgentBackend
     from teamrl.config import TrainConfig
     from teamrl.envs.base import Environment
 
@@ -178,7 +178,6 @@ def build_critics(specs: Sequence[tuple[str, str, int]], config: TrainConfig, en
     nothing with this process: there the critics load their own base). Under full fine-tuning each
     critic fine-tunes its own copy.
     """
-    from teamrl.backend import make_optimizer
 
     lora = config.team.training == "lora"
     team = getattr(agents, "team", None)

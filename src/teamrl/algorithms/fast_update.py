@@ -1,6 +1,6 @@
-"""The MAGRPO update, fast: the same gradients as :func:`teamrl.algorithms.magrpo.update_agent`, in less time.
+"""The MAGRPO update, fast: the same gradients as :func:`teamrl.algorithms.update.update_agent`, in less time.
 
-:func:`~teamrl.algorithms.magrpo.update_agent` is paper Eq. 2 as it reads. This module computes the
+:func:`~teamrl.algorithms.update.update_agent` is paper Eq. 2 as it reads. This module computes the
 same sums (``optim.fast_update``, on by default; tests/test_training_options.py compares the two):
 
 - each distinct prompt runs once for its G rows, and an agent's shared prompt opening once per optimiser
@@ -24,7 +24,7 @@ import torch
 
 from teamrl.algorithms.logprobs import token_logprobs
 from teamrl.algorithms.losses import contributes, loss_normalizer, update_loss
-from teamrl.algorithms.magrpo import UpdateStats, clip_gradients, micro_batches
+from teamrl.algorithms.update import UpdateStats, clip_gradients, micro_batches
 from teamrl.config import AlgorithmConfig
 from teamrl.models.lora import active_adapter_fused, adapter_in_this_thread, plain_lora_layers
 from teamrl.models.stem import PromptStem, prompt_stem
@@ -45,7 +45,7 @@ def update_agent(
     parallel_micro_batches: int = 1,
     loss: str = "policy_gradient",
 ) -> dict[str, float]:
-    """:func:`teamrl.algorithms.magrpo.update_agent`, fast: :func:`update_agents` with this agent alone."""
+    """:func:`teamrl.algorithms.update.update_agent`, fast: :func:`update_agents` with this agent alone."""
     return update_agents([agent], [generations], [advantages], [optimizer], [scheduler], config,
                          micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
                          parallel_micro_batches=parallel_micro_batches, loss=loss)[0]
@@ -64,7 +64,7 @@ def update_agents(
     parallel_micro_batches: int = 1,
     loss: str = "policy_gradient",
 ) -> list[dict[str, float]]:
-    """:func:`teamrl.algorithms.magrpo.update_agent` for each agent (agent k: ``generations[k]``,
+    """:func:`teamrl.algorithms.update.update_agent` for each agent (agent k: ``generations[k]``,
     ``advantages[k]``, its own optimiser, the registered ``loss``), with every agent's micro-batches in one pool.
 
     ``parallel_micro_batches`` > 1 runs that many micro-batches at once on CPU threads (see

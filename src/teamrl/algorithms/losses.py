@@ -5,7 +5,7 @@ penalty: with one pass over the rollout the ratio is exactly 1 and the gradient 
 A * log pi(a | o). Later passes over the same rollout are off-policy and the clipped ratio keeps them close
 to the sampling policy. ``dpo``, multi-agent DPO's loss on pairs of completions (:mod:`teamrl.algorithms.madpo`).
 
-Both update paths (:func:`teamrl.algorithms.magrpo.update_agent` and :mod:`teamrl.algorithms.fast_update`)
+Both update paths (:func:`teamrl.algorithms.update.update_agent` and :mod:`teamrl.algorithms.fast_update`)
 run whichever loss ``AgentBackend.update(..., loss=name)`` names, on micro-batches of rows that each carry
 one value (the advantage of ``policy_gradient``, the pair's offset of ``dpo``).
 """

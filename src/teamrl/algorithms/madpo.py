@@ -1,6 +1,6 @@
 """MADPO: multi-agent direct preference optimisation, online, from each step's rollout.
 
-A step's rollout is MAGRPO's (:func:`teamrl.algorithms.magrpo.rollout`); what the agents learn from it:
+A step's rollout is MAGRPO's (:func:`teamrl.rollout.tree.sample_tree`); what the agents learn from it:
 
 1. Preferences (:func:`~teamrl.algorithms.preferences.preference_pairs`): within each group of sibling joint
    actions, pairs (a^w, a^l) whose returns differ by more than ``algorithm.preference.min_gap`` (ties give
@@ -39,14 +39,16 @@ import torch.nn.functional as F
 
 from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.losses import sequence_logprobs
-from teamrl.algorithms.magrpo import Rollout, UpdateStats, advantages, rollout_metrics
+from teamrl.algorithms.magrpo import advantages
 from teamrl.algorithms.preferences import preference_pairs
+from teamrl.algorithms.update import UpdateStats
 from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation
+from teamrl.rollout.tree import RolloutTree, rollout_metrics
 
 if TYPE_CHECKING:
-    from teamrl.backend import AgentBackend
+    from teamrl.algorithms.base import AgentBackend
 
 
 @register_algorithm("madpo")
@@ -57,7 +59,7 @@ class MADPO(TrainsTheAgentsOnly):
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm
 
-    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+    def learn(self, tree: RolloutTree, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
         config, num_agents = self.config, len(agents.names)
         per_agent, returns = advantages(tree, num_agents, config)  # the advantages only for rollout_metrics
         metrics = rollout_metrics(tree, returns, per_agent)

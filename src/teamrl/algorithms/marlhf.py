@@ -1,6 +1,6 @@
 """MARLHF: multi-agent RL from a joint reward model learned from preferences between joint actions.
 
-A step's rollout is MAGRPO's (:func:`teamrl.algorithms.magrpo.rollout`); what is learned from it:
+A step's rollout is MAGRPO's (:func:`teamrl.rollout.tree.sample_tree`); what is learned from it:
 
 1. Preferences (:func:`~teamrl.algorithms.preferences.preference_pairs`): within each group of sibling
    joint actions, pairs (a^w, a^l) whose joint rewards r differ by more than ``preference.min_gap`` (ties
@@ -38,23 +38,17 @@ import torch
 from torch import nn
 
 from teamrl.algorithms.base import register_algorithm
-from teamrl.algorithms.magrpo import (
-    MAGRPO,
-    Rollout,
-    UpdateStats,
-    advantages,
-    clip_gradients,
-    micro_batches,
-    rollout_metrics,
-)
+from teamrl.algorithms.magrpo import MAGRPO, advantages
 from teamrl.algorithms.preferences import bradley_terry_loss, pairwise_accuracy, preference_pairs
+from teamrl.algorithms.update import UpdateStats, clip_gradients, micro_batches
 from teamrl.checkpoint import AgentState
 from teamrl.config import RewardModelConfig, TrainConfig
 from teamrl.envs.base import Environment
+from teamrl.rollout.tree import RolloutTree, rollout_metrics
 from teamrl.team import load_base_model
 
 if TYPE_CHECKING:
-    from teamrl.backend import AgentBackend
+    from teamrl.algorithms.base import AgentBackend
 
 #: The reward model's name in checkpoints (no agent may have it).
 REWARD_MODEL = "reward_model"
@@ -134,7 +128,7 @@ class MARLHF:
         self.step = 0
         """Steps learned so far (which phase a step is in)."""
 
-    def learn(self, tree: Rollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+    def learn(self, tree: RolloutTree, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
         texts, preferred, rejected = [], [], []
         for turn in tree.turns:
             num_joint = len(turn.combos)
@@ -172,7 +166,7 @@ class MARLHF:
                             UpdateStats(1).result().items()})
         else:
             scores = self.scores(texts) if scores is None else scores
-            learned, start = Rollout(), 0
+            learned, start = RolloutTree(), 0
             for turn in tree.turns:
                 size = turn.rewards.shape[0] * turn.rewards.shape[1]
                 rewards = scores[start:start + size].view(*turn.rewards.shape[:2], 1)

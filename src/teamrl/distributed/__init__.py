@@ -1,8 +1,7 @@
-"""Training past one process: the agents as Ray actors driven by the Trainer (``distributed.backend: ray``).
-
-Needs the ``ray`` extra (``pip install "teamrl[ray]"``); see docs/distributed.md.
+"""Was the Ray backend's package; the backends are ``teamrl.backends`` now (``RayTeam``: ``teamrl.backends.ray``).
+Deprecated: importing a name from here warns and still works for one release (issue #47).
 """
 
-from teamrl.distributed.ray_team import RayTeam
+from teamrl._deprecated import moved_names
 
-__all__ = ["RayTeam"]
+__getattr__ = moved_names(__name__, {"RayTeam": "teamrl.backends.ray:RayTeam"})

@@ -29,7 +29,7 @@ from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import derive_seed
 
 if TYPE_CHECKING:
-    from teamrl.algorithms.magrpo import SampleFn
+    from teamrl.rollout.tree import SampleFn
 
 #: Held-out items per sampling call: a generate call's cost grows faster than its batch (longer padded
 #: rows, bigger caches; timings in docs/evaluation.md).
@@ -195,7 +195,7 @@ def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
                   ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """:func:`score`'s numbers under the names training logs, for :meth:`teamrl.train.Trainer.evaluate`.
 
-    ``reward/mean`` and ``reward/std`` are computed as training's own (:func:`teamrl.algorithms.magrpo.rollout_metrics`:
+    ``reward/mean`` and ``reward/std`` are computed as training's own (:func:`teamrl.rollout.tree.rollout_metrics`:
     float32, std with Bessel's correction), so a held-out point sits on the reward curve beside them;
     ``reward/PART`` is ``level/PART`` and ``count/NAME`` stays, both in name order. The records keep the
     keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).

@@ -18,6 +18,7 @@ answers its own observation; a policy trained with ``algorithm.name: centralized
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,6 @@ from typing import Any, Literal
 
 import torch
 
-from teamrl.algorithms.magrpo import team_sampler
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
 from teamrl.envs.centralized import CentralizedEnv
@@ -36,6 +36,7 @@ from teamrl.evaluation.baselines import BASELINES, MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
 from teamrl.imports import ENVIRONMENT_GROUP, entry_point, is_import_path
 from teamrl.inference import check_context
+from teamrl.rollout.generate import sample_team
 from teamrl.team import Agent, Team, load_base_model
 
 #: The prefix of a saved team in ``--methods``.
@@ -280,7 +281,7 @@ def _answer(method: Method, env: Environment, team: Team, items: Sequence[Item],
     a baseline on torch's RNG seeded with ``seed``, the same stream for every baseline."""
     if method.baseline is None:
         check_context(team, first_observations(env, items))
-        return sample_held_out(team_sampler(team), env, items, num_samples, seed)
+        return sample_held_out(functools.partial(sample_team, team), env, items, num_samples, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BASELINES[method.baseline](env, team, items, num_samples)

@@ -296,7 +296,7 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     releases the GIL in its kernels) as decentralised execution wants.
 
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
-    actor gets for agent i (:mod:`teamrl.distributed`), so both sample the same tokens for the same team
+    actor gets for agent i (:mod:`teamrl.backends.ray`), so both sample the same tokens for the same team
     layout. Threads would share torch's one global RNG, hence not with ``concurrent``. ``should_stop``: see
     :func:`generate`.
     """
@@ -336,6 +336,14 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         for indices in groups.values():
             results.update(run_group(indices))
     return [results[i] for i in range(len(team))]
+
+
+def sample_team(team: Team, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+    """For every agent i of ``team``, ``num_samples`` completions of each of its own observations
+    ``observations[i]``, prompted in its role, the tokens fixed by ``seed``: the team's
+    :data:`~teamrl.rollout.tree.SampleFn` in this process (``functools.partial(sample_team, team)``), and the local
+    backend's :meth:`~teamrl.algorithms.base.AgentBackend.sample`."""
+    return generate_team(team, team.prompts(observations), num_samples, seed=seed)
 
 
 class _StopWhen(StoppingCriteria):

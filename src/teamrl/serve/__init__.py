@@ -6,7 +6,7 @@
   short window share one ``generate`` call per base model).
 * :mod:`teamrl.serve.app`: the routes (``/v1/models``, ``/v1/chat/completions`` with streaming, ``/health``,
   ``/metrics``), API keys, body limits and OpenAI's error shape; :func:`~teamrl.serve.app.create_app`.
-* :mod:`teamrl.serve.vllm_backend`: ``--vllm-url``, the batcher's stand-in that sends each agent's prompt to
+* :mod:`teamrl.serve.vllm_proxy`: ``--vllm-url``, the batcher's stand-in that sends each agent's prompt to
   a vLLM server (one LoRA adapter per agent) instead of generating in-process.
 * :mod:`teamrl.serve.metrics`: request, latency, token and batching counters.
 

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from teamrl.serve.engine import AgentAnswer, Batcher, Job, RequestError, ServedTeam
 from teamrl.serve.metrics import ServerMetrics, prometheus_text
-from teamrl.serve.vllm_backend import VLLMBackend
+from teamrl.serve.vllm_proxy import VLLMProxy
 
 logger = logging.getLogger("teamrl.serve")
 
@@ -169,7 +169,7 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
             is a directory.
         vllm_url: generate on the vLLM server at this URL (e.g. http://127.0.0.1:8001/v1, serving one LoRA
             adapter per agent under the agent's name) instead of in-process; see
-            :class:`~teamrl.serve.vllm_backend.VLLMBackend`. Batching is then vLLM's.
+            :class:`~teamrl.serve.vllm_proxy.VLLMProxy`. Batching is then vLLM's.
         vllm_timeout_s: a vLLM request not answered within this many seconds is a 504.
     """
     served = team if isinstance(team, ServedTeam) else ServedTeam.load(team, name=name, device=device, dtype=dtype,
@@ -181,9 +181,9 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
                          f"{max_batch}, {max_body_bytes})")
     metrics = ServerMetrics(batch_window_ms)
     if vllm_url is None:
-        batcher: Batcher | VLLMBackend = Batcher(served, metrics, window=batch_window_ms / 1000, max_batch=max_batch)
+        batcher: Batcher | VLLMProxy = Batcher(served, metrics, window=batch_window_ms / 1000, max_batch=max_batch)
     else:
-        batcher = VLLMBackend(served, metrics, vllm_url, timeout=vllm_timeout_s)
+        batcher = VLLMProxy(served, metrics, vllm_url, timeout=vllm_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
