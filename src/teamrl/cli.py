@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from teamrl import __version__
-from teamrl.config import ALGORITHM_NAMES, ConfigError, describe_fields, load_config
+from teamrl.config import ConfigError, describe_fields, load_config
 from teamrl.run_dir import ADVISE_FLAGS
 from teamrl.runtime import quiet_libraries, use_threads
 
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="an environment's name, a YAML config file or a preset's name, e.g. demo_tldr_cpu")
     compare.add_argument("overrides", nargs="*", help="field=value overrides of every contender's config")
     compare.add_argument("--algorithms", default="",
-                         help=f"comma-separated algorithms, one contender each, or all ({', '.join(ALGORITHM_NAMES)})")
+                         help="comma-separated algorithms (algorithm.name's values: docs/algorithm.md#algorithms), one "
+                              "contender each, or all")
     compare.add_argument("--variant", action="append", default=[],
                          help="a contender of config overrides, 'NAME: field=value ...' (repeatable)")
     compare.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated (default: %(default)s)")

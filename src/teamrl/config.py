@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from teamrl.registry import ADVANTAGES, AGGREGATIONS, ALGORITHMS
+
 log = logging.getLogger(__name__)
 
 
@@ -45,10 +47,10 @@ class SamplingConfig:
     max_new_tokens: int = _doc("Longest completion, in tokens.", 64)
 
     def validate(self, path: str) -> None:
-        _check(self.temperature > 0, f"{path}.temperature", "must be > 0", self.temperature)
-        _check(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k >= 0, f"{path}.top_k", "must be >= 0 (0 turns it off)", self.top_k)
-        _check(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1", self.max_new_tokens)
+        require(self.temperature > 0, f"{path}.temperature", "must be > 0", self.temperature)
+        require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k >= 0, f"{path}.top_k", "must be >= 0 (0 turns it off)", self.top_k)
+        require(self.max_new_tokens >= 1, f"{path}.max_new_tokens", "must be >= 1", self.max_new_tokens)
 
 
 @dataclass
@@ -63,13 +65,13 @@ class LoraSettings:
     )
 
     def validate(self, path: str) -> None:
-        _check(self.r >= 1, f"{path}.r", "must be >= 1", self.r)
-        _check(self.alpha > 0, f"{path}.alpha", "must be > 0", self.alpha)
-        _check(0 <= self.dropout < 1, f"{path}.dropout", "must be in [0, 1)", self.dropout)
+        require(self.r >= 1, f"{path}.r", "must be >= 1", self.r)
+        require(self.alpha > 0, f"{path}.alpha", "must be > 0", self.alpha)
+        require(0 <= self.dropout < 1, f"{path}.dropout", "must be in [0, 1)", self.dropout)
         ok = isinstance(self.target_modules, str) or (
             isinstance(self.target_modules, list) and all(isinstance(m, str) for m in self.target_modules)
         )
-        _check(ok, f"{path}.target_modules", "must be a string or a list of strings", self.target_modules)
+        require(ok, f"{path}.target_modules", "must be a string or a list of strings", self.target_modules)
 
 
 @dataclass
@@ -120,13 +122,13 @@ class TeamConfig:
     def validate(self, path: str) -> None:
         self.sampling.validate(f"{path}.sampling")
         self.lora.validate(f"{path}.lora")
-        _check(len(self.agents) >= 1, f"{path}.agents", "needs at least one agent", self.agents)
+        require(len(self.agents) >= 1, f"{path}.agents", "needs at least one agent", self.agents)
         names = [a.name for a in self.agents]
-        _check(len(set(names)) == len(names), f"{path}.agents", "agent names must be unique", names)
+        require(len(set(names)) == len(names), f"{path}.agents", "agent names must be unique", names)
         for i, agent in enumerate(self.agents):
-            _check(bool(agent.name) and agent.name.isidentifier(), f"{path}.agents[{i}].name",
-                   "must be a non-empty identifier (letters, digits, _)", agent.name)
-            _check(agent.lr is None or agent.lr > 0, f"{path}.agents[{i}].lr", "must be > 0", agent.lr)
+            require(bool(agent.name) and agent.name.isidentifier(), f"{path}.agents[{i}].name",
+                    "must be a non-empty identifier (letters, digits, _)", agent.name)
+            require(agent.lr is None or agent.lr > 0, f"{path}.agents[{i}].lr", "must be > 0", agent.lr)
             self.agent_sampling(i).validate(f"{path}.agents[{i}].sampling")
             _check_model_spec(agent.model or self.model,
                               f"{path}.agents[{i}].model" if agent.model else f"{path}.model")
@@ -154,17 +156,6 @@ class EnvConfig:
     kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
 
 
-#: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
-#: (docs/algorithm.md). Listed here so that a config validates without importing torch.
-ALGORITHM_NAMES = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "iac", "maac", "madpo",
-                   "marlhf")
-
-#: The algorithms that are MAGRPO with their own advantage estimator (CoMLRL's trainers of those names):
-#: ``algorithm.name: marloo`` says what ``name: magrpo, advantage: rloo`` says, and an ``algorithm.advantage``
-#: other than its own is an error.
-FIXED_ADVANTAGES = {"mareinforce": "none", "marloo": "rloo", "maremax": "max"}
-
-
 @dataclass
 class CriticConfig:
     """The learned critic of the actor-critic algorithms ('iac', 'maac'; docs/algorithm.md#actor-critic)."""
@@ -182,10 +173,10 @@ class CriticConfig:
     )
 
     def validate(self, path: str) -> None:
-        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
-        _check(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip",
-               "must be > 0 (or empty for no clipping)", self.value_clip)
-        _check(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda", "must be in [0, 1]", self.gae_lambda)
+        require(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        require(self.value_clip is None or self.value_clip > 0, f"{path}.value_clip",
+                "must be > 0 (or empty for no clipping)", self.value_clip)
+        require(0 <= self.gae_lambda <= 1, f"{path}.gae_lambda", "must be in [0, 1]", self.gae_lambda)
         if self.model:
             _check_model_spec(self.model, f"{path}.model")
 
@@ -201,7 +192,7 @@ class PreferenceConfig:
     min_gap: float = _doc("A pair needs winner's value - loser's > min_gap; ties never pair (docs/algorithm.md).", 0.0)
 
     def validate(self, path: str) -> None:
-        _check(self.min_gap >= 0, f"{path}.min_gap", "must be >= 0 (ties never make a pair)", self.min_gap)
+        require(self.min_gap >= 0, f"{path}.min_gap", "must be >= 0 (ties never make a pair)", self.min_gap)
 
 
 @dataclass
@@ -216,7 +207,7 @@ class DPOConfig:
     )
 
     def validate(self, path: str) -> None:
-        _check(self.beta > 0, f"{path}.beta", "must be > 0", self.beta)
+        require(self.beta > 0, f"{path}.beta", "must be > 0", self.beta)
 
 
 @dataclass
@@ -231,10 +222,10 @@ class RewardModelConfig:
     lr: float = _doc("The reward model's AdamW learning rate.", 1e-4)
 
     def validate(self, path: str) -> None:
-        _check(self.steps >= 1, f"{path}.steps", "must be >= 1: the reward model needs preferences first", self.steps)
-        _check(self.refresh_every >= 0, f"{path}.refresh_every", "must be >= 0 (0 = never)", self.refresh_every)
-        _check(self.epochs >= 1, f"{path}.epochs", "must be >= 1", self.epochs)
-        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        require(self.steps >= 1, f"{path}.steps", "must be >= 1: the reward model needs preferences first", self.steps)
+        require(self.refresh_every >= 0, f"{path}.refresh_every", "must be >= 0 (0 = never)", self.refresh_every)
+        require(self.epochs >= 1, f"{path}.epochs", "must be >= 1", self.epochs)
+        require(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
         if self.model:
             _check_model_spec(self.model, f"{path}.model")
 
@@ -243,8 +234,8 @@ class RewardModelConfig:
 class AlgorithmConfig:
     """MAGRPO (arXiv 2508.04652), its variants and the other algorithms (docs/algorithm.md)."""
 
-    name: str = _doc("Training algorithm: 'magrpo', 'mareinforce', 'marloo', 'maremax', 'centralized', 'iac', "
-                     "'maac', 'madpo' or 'marlhf' (docs/algorithm.md#algorithms).", "magrpo")
+    name: str = _doc("Training algorithm: a registered one (docs/algorithm.md#algorithms) or your class as "
+                     "module:Class.", "magrpo")
     num_generations: int = _doc("G: completions each agent samples per observation (the group size).", 4)
     joint_mode: Literal["aligned", "cross"] = _doc(
         "Joint actions: 'aligned' (the agents' g-th completions, G) or 'cross' (every combination, G^n).", "aligned"
@@ -255,17 +246,17 @@ class AlgorithmConfig:
     )
     num_turns: int = _doc("T: turns per episode. Turn t>1 observations carry the environment's feedback.", 1)
     discount: float = _doc("gamma in R_t = r_t + gamma * mean(R_{t+1} of the node's children).", 1.0)
-    advantage: Literal["mean", "std", "rloo", "none", "max"] | None = _doc(
-        "Advantage: 'mean' (Eq. 1), 'std', 'rloo', 'none' or 'max'; empty = the algorithm's own (docs/algorithm.md).",
-        None,
+    advantage: str | None = _doc(
+        "Advantage: 'mean' (Eq. 1), 'std', 'rloo', 'none', 'max', one you registered, or module:function; "
+        "empty = the algorithm's own (docs/algorithm.md).", None,
     )
     normalize_advantages: Literal["none", "agent"] = _doc(
         "'agent': divide each agent's advantages by its own std over the step (docs/algorithm.md#options); "
         "'none': as the estimator gives them.", "none"
     )
-    logprob_aggregation: Literal["token_sum", "sequence_mean", "token_mean"] = _doc(
-        "Aggregation: 'token_sum' (Eq. 2), 'sequence_mean' or 'token_mean' (docs/algorithm.md#options).",
-        "token_sum",
+    logprob_aggregation: str = _doc(
+        "Aggregation: 'token_sum' (Eq. 2), 'sequence_mean', 'token_mean', one you registered, or module:function "
+        "(docs/algorithm.md#options).", "token_sum",
     )
     num_iterations: int = _doc("Optimisation passes over one rollout; later ones are off-policy, ratio clipped.", 1)
     epsilon_low: float = _doc("Clip the probability ratio below at 1 - epsilon_low.", 0.2)
@@ -287,53 +278,47 @@ class AlgorithmConfig:
 
     @property
     def advantage_estimator(self) -> str:
-        """The advantage estimator the run uses: the algorithm's fixed one, ``advantage``, or 'mean'."""
-        return FIXED_ADVANTAGES.get(self.name) or self.advantage or "mean"
+        """The advantage estimator the run uses: the one the algorithm's name fixes, ``advantage``, or 'mean'."""
+        return self._registered_with("advantage") or self.advantage or "mean"
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the update reads each agent's frozen reference policy (the KL penalty, or DPO's log-ratios)."""
-        return self.kl_coef > 0 or self.name == "madpo"
+        """Whether the update reads each agent's frozen reference policy (the KL penalty, or an algorithm
+        registered with ``uses_reference``: MADPO's log-ratios)."""
+        return self.kl_coef > 0 or bool(self._registered_with("uses_reference"))
+
+    def _registered_with(self, prop: str) -> Any:
+        return ALGORITHMS.properties(self.name).get(prop)
 
     def validate(self, path: str) -> None:
-        _check(self.name in ALGORITHM_NAMES, f"{path}.name", f"must be one of {', '.join(ALGORITHM_NAMES)}",
-               self.name)
-        fixed = FIXED_ADVANTAGES.get(self.name)
-        _check(self.advantage in (None, fixed) if fixed else True, f"{path}.advantage",
-               f"{path}.name={self.name!r} is MAGRPO with advantage {fixed!r}; leave {path}.advantage empty "
-               f"(or {fixed!r}), or use {path}.name='magrpo' with the advantage you want", self.advantage)
-        if self.name == "centralized":
-            _check(self.num_turns == 1, f"{path}.num_turns", "must be 1 with name='centralized' (single-turn)",
-                   self.num_turns)
-            _check(self.learners == "joint", f"{path}.learners",
-                   "must be 'joint' with name='centralized' (its one agent has no reward of its own)", self.learners)
-        _check(self.num_generations >= 2, f"{path}.num_generations",
-               "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
-        _check(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
-        _check(self.max_joint_actions is None or (isinstance(self.max_joint_actions, int)
+        # The algorithm, estimator and aggregation named must be registered (or importable as module:name): the
+        # registries import the shipped modules, and a user's, here (teamrl.registry).
+        require_registered(ALGORITHMS, self.name, f"{path}.name")
+        if self.advantage is not None:
+            require_registered(ADVANTAGES, self.advantage, f"{path}.advantage")
+        require_registered(AGGREGATIONS, self.logprob_aggregation, f"{path}.logprob_aggregation")
+        fixed = self._registered_with("advantage")
+        require(self.advantage in (None, fixed) if fixed else True, f"{path}.advantage",
+                f"{path}.name={self.name!r} is MAGRPO with advantage {fixed!r}; leave {path}.advantage empty "
+                f"(or {fixed!r}), or use {path}.name='magrpo' with the advantage you want", self.advantage)
+        require(self.num_generations >= 2, f"{path}.num_generations",
+                "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
+        require(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
+        require(self.max_joint_actions is None or (isinstance(self.max_joint_actions, int)
                                                   and self.max_joint_actions >= self.num_generations),
-               f"{path}.max_joint_actions", f"must be empty or an int >= num_generations ({self.num_generations}): "
-               "every sample must be in a joint action", self.max_joint_actions)
-        _check(self.normalize_advantages in ("none", "agent"), f"{path}.normalize_advantages",
-               "must be 'none' or 'agent'", self.normalize_advantages)
-        _check(0 <= self.discount <= 1, f"{path}.discount", "must be in [0, 1]", self.discount)
-        _check(self.num_iterations >= 1, f"{path}.num_iterations", "must be >= 1", self.num_iterations)
-        _check(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)
-        _check(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
-        _check(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
+                f"{path}.max_joint_actions", f"must be empty or an int >= num_generations ({self.num_generations}): "
+                "every sample must be in a joint action", self.max_joint_actions)
+        require(self.normalize_advantages in ("none", "agent"), f"{path}.normalize_advantages",
+                "must be 'none' or 'agent'", self.normalize_advantages)
+        require(0 <= self.discount <= 1, f"{path}.discount", "must be in [0, 1]", self.discount)
+        require(self.num_iterations >= 1, f"{path}.num_iterations", "must be >= 1", self.num_iterations)
+        require(0 <= self.epsilon_low < 1, f"{path}.epsilon_low", "must be in [0, 1)", self.epsilon_low)
+        require(self.epsilon_high >= 0, f"{path}.epsilon_high", "must be >= 0", self.epsilon_high)
+        require(self.kl_coef >= 0, f"{path}.kl_coef", "must be >= 0", self.kl_coef)
         self.critic.validate(f"{path}.critic")
         self.preference.validate(f"{path}.preference")
         self.dpo.validate(f"{path}.dpo")
         self.reward_model.validate(f"{path}.reward_model")
-        if self.name in ("madpo", "marlhf"):
-            _check(self.learners == "joint", f"{path}.learners",
-                   f"must be 'joint' with {self.name}: its preferences compare joint rewards", self.learners)
-        if self.name == "madpo":
-            _check(self.kl_coef == 0, f"{path}.kl_coef",
-                   "must be 0 with madpo: DPO's beta already keeps each agent near its reference", self.kl_coef)
-            _check(self.logprob_aggregation == "token_sum", f"{path}.logprob_aggregation",
-                   "must be 'token_sum' with madpo: DPO compares whole completions' log-probs",
-                   self.logprob_aggregation)
 
 
 @dataclass
@@ -361,21 +346,21 @@ class OptimConfig:
     fast_update: bool = _doc("Same update, faster (algorithms/fast_update.py); false: magrpo.py's plain loop.", True)
 
     def validate(self, path: str) -> None:
-        _check(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
-        _check(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0", self.weight_decay)
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{path}.betas",
-               "must be two numbers in [0, 1)", self.betas)
-        _check(self.max_grad_norm is None or self.max_grad_norm > 0, f"{path}.max_grad_norm",
-               "must be > 0 (or empty for no clipping)", self.max_grad_norm)
-        _check(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0", self.warmup_steps)
-        _check(0 <= self.final_lr_fraction <= 1, f"{path}.final_lr_fraction",
-               "must be in [0, 1] (a fraction of lr)", self.final_lr_fraction)
-        _check(self.final_lr_fraction == 0 or self.lr_scheduler != "constant", f"{path}.final_lr_fraction",
-               "only a decaying schedule has an end: set lr_scheduler to linear or cosine, or leave it 0",
-               self.final_lr_fraction)
-        _check(self.micro_batch_size >= 0, f"{path}.micro_batch_size", "must be >= 0", self.micro_batch_size)
-        _check(self.parallel_micro_batches >= 1, f"{path}.parallel_micro_batches", "must be >= 1 (1 = one at a time)",
-               self.parallel_micro_batches)
+        require(self.lr > 0, f"{path}.lr", "must be > 0", self.lr)
+        require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0", self.weight_decay)
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{path}.betas",
+                "must be two numbers in [0, 1)", self.betas)
+        require(self.max_grad_norm is None or self.max_grad_norm > 0, f"{path}.max_grad_norm",
+                "must be > 0 (or empty for no clipping)", self.max_grad_norm)
+        require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0", self.warmup_steps)
+        require(0 <= self.final_lr_fraction <= 1, f"{path}.final_lr_fraction",
+                "must be in [0, 1] (a fraction of lr)", self.final_lr_fraction)
+        require(self.final_lr_fraction == 0 or self.lr_scheduler != "constant", f"{path}.final_lr_fraction",
+                "only a decaying schedule has an end: set lr_scheduler to linear or cosine, or leave it 0",
+                self.final_lr_fraction)
+        require(self.micro_batch_size >= 0, f"{path}.micro_batch_size", "must be >= 0", self.micro_batch_size)
+        require(self.parallel_micro_batches >= 1, f"{path}.parallel_micro_batches", "must be >= 1 (1 = one at a time)",
+                self.parallel_micro_batches)
 
 
 @dataclass
@@ -388,7 +373,7 @@ class LoggingConfig:
     progress_bar: bool = _doc("Show a progress bar on the console.", True)
 
     def validate(self, path: str) -> None:
-        _check(self.sample_every >= 0, f"{path}.sample_every", "must be >= 0", self.sample_every)
+        require(self.sample_every >= 0, f"{path}.sample_every", "must be >= 0", self.sample_every)
 
 
 #: Held-out evaluations an automatic schedule (``eval.every_steps`` empty) spreads over a run, after step 0's.
@@ -408,10 +393,10 @@ class EvalConfig:
     seed: int = _doc("Sampling seed of every evaluation, apart from `seed`: each one, and each run, draws alike.", 0)
 
     def validate(self, path: str) -> None:
-        _check(self.every_steps is None or self.every_steps >= 0, f"{path}.every_steps",
-               "must be >= 0 (0 = off, empty = about 4 times a run)", self.every_steps)
-        _check(self.items >= 1, f"{path}.items", "must be >= 1", self.items)
-        _check(self.samples >= 1, f"{path}.samples", "must be >= 1", self.samples)
+        require(self.every_steps is None or self.every_steps >= 0, f"{path}.every_steps",
+                "must be >= 0 (0 = off, empty = about 4 times a run)", self.every_steps)
+        require(self.items >= 1, f"{path}.items", "must be >= 1", self.items)
+        require(self.samples >= 1, f"{path}.samples", "must be >= 1", self.samples)
 
     def interval(self, steps: int) -> int:
         """Steps between evaluations in a run of ``steps`` steps (0: no evaluation)."""
@@ -428,8 +413,8 @@ class CheckpointConfig:
     keep_last: int = _doc("How many checkpoints to keep on disk (older ones are deleted).", 2)
 
     def validate(self, path: str) -> None:
-        _check(self.save_every >= 0, f"{path}.save_every", "must be >= 0", self.save_every)
-        _check(self.keep_last >= 1, f"{path}.keep_last", "must be >= 1", self.keep_last)
+        require(self.save_every >= 0, f"{path}.save_every", "must be >= 0", self.save_every)
+        require(self.keep_last >= 1, f"{path}.keep_last", "must be >= 1", self.keep_last)
 
 
 @dataclass
@@ -451,22 +436,22 @@ class RolloutConfig:
     )
 
     def validate(self, path: str) -> None:
-        _check(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
-               self.gpu_memory_utilization)
-        _check(self.max_model_len >= 0, f"{path}.max_model_len", "must be >= 0 (0 = the model's limit)",
-               self.max_model_len)
+        require(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
+                self.gpu_memory_utilization)
+        require(self.max_model_len >= 0, f"{path}.max_model_len", "must be >= 0 (0 = the model's limit)",
+                self.max_model_len)
         if self.backend == "vllm":
             import importlib.util
 
             import torch
 
             # The GPU first: without one, installing vllm would not help.
-            _check(torch.cuda.is_available(), f"{path}.backend",
-                   "'vllm' runs on an NVIDIA GPU and torch sees no CUDA device here; use 'transformers', or "
-                   "on a GPU machine pip install \"teamrl[vllm]\"", self.backend)
-            _check(importlib.util.find_spec("vllm") is not None, f"{path}.backend",
-                   "'vllm' needs the vllm package: pip install \"teamrl[vllm]\", or use 'transformers'",
-                   self.backend)
+            require(torch.cuda.is_available(), f"{path}.backend",
+                    "'vllm' runs on an NVIDIA GPU and torch sees no CUDA device here; use 'transformers', or "
+                    "on a GPU machine pip install \"teamrl[vllm]\"", self.backend)
+            require(importlib.util.find_spec("vllm") is not None, f"{path}.backend",
+                    "'vllm' needs the vllm package: pip install \"teamrl[vllm]\", or use 'transformers'",
+                    self.backend)
 
 
 #: The temperatures vLLM samples at as asked: ``SamplingParams`` rejects more than 2 (vLLM 0.33) and raises values
@@ -503,14 +488,14 @@ class DistributedConfig:
     )
 
     def validate(self, path: str) -> None:
-        _check(self.cpus_per_agent > 0, f"{path}.cpus_per_agent", "must be > 0 (fractions such as 0.5 share a CPU)",
-               self.cpus_per_agent)
-        _check(self.gpus_per_agent >= 0, f"{path}.gpus_per_agent", "must be >= 0", self.gpus_per_agent)
+        require(self.cpus_per_agent > 0, f"{path}.cpus_per_agent", "must be > 0 (fractions such as 0.5 share a CPU)",
+                self.cpus_per_agent)
+        require(self.gpus_per_agent >= 0, f"{path}.gpus_per_agent", "must be >= 0", self.gpus_per_agent)
         if self.backend == "ray":
             import importlib.util
 
-            _check(importlib.util.find_spec("ray") is not None, f"{path}.backend",
-                   "'ray' needs the ray package: pip install \"teamrl[ray]\", or use 'local'", self.backend)
+            require(importlib.util.find_spec("ray") is not None, f"{path}.backend",
+                    "'ray' needs the ray package: pip install \"teamrl[ray]\", or use 'local'", self.backend)
 
 
 @dataclass
@@ -532,10 +517,22 @@ class TrainConfig:
     rollout: RolloutConfig = _doc("Rollout engine settings.", factory=RolloutConfig)
     distributed: DistributedConfig = _doc("Where the agents run (this process, or Ray actors).",
                                           factory=DistributedConfig)
+    imports: list[str] = _doc(
+        "Your modules to import before the config is checked, so that the estimators, aggregations, algorithms and "
+        "environments they register can be named (docs/algorithm.md#your-own-estimators-and-algorithms).",
+        factory=list,
+    )
 
     def validate(self, path: str = "") -> None:
-        _check(self.steps >= 1, "steps", "must be >= 1", self.steps)
-        _check(self.items_per_step >= 1, "items_per_step", "must be >= 1", self.items_per_step)
+        from teamrl.imports import ImportPathError, import_module
+
+        for i, module in enumerate(self.imports):
+            try:
+                import_module(module, f"imports[{i}]")
+            except ImportPathError as err:
+                raise ConfigError(str(err)) from None
+        require(self.steps >= 1, "steps", "must be >= 1", self.steps)
+        require(self.items_per_step >= 1, "items_per_step", "must be >= 1", self.items_per_step)
         self.team.validate("team")
         self.algorithm.validate("algorithm")
         self.optim.validate("optim")
@@ -544,21 +541,19 @@ class TrainConfig:
         self.checkpoint.validate("checkpoint")
         self.rollout.validate("rollout")
         self.distributed.validate("distributed")
-        if self.algorithm.name == "centralized":
-            _check(len(self.team.agents) == 1, "team.agents",
-                   "algorithm.name='centralized' trains one policy that writes every seat's part: list exactly one "
-                   "agent, e.g. team.agents=[{name: central}] (docs/algorithm.md#centralized)",
-                   [a.name for a in self.team.agents])
+        check_algorithm = getattr(ALGORITHMS.lookup(self.algorithm.name), "check_config", None)
+        if check_algorithm is not None:  # what the algorithm itself cannot run with
+            check_algorithm(self)
         if self.distributed.backend == "ray":
             # Ray decides which devices an actor sees: GPU 0 of its own, or none.
             device = "cuda" if self.distributed.gpus_per_agent > 0 else "cpu"
-            _check(self.team.device == device, "team.device",
-                   f"must be {device!r} with distributed.backend='ray' and gpus_per_agent="
-                   f"{self.distributed.gpus_per_agent:g} (Ray gives each agent actor its own devices)",
-                   self.team.device)
-            _check(self.rollout.backend == "transformers", "rollout.backend",
-                   "must be 'transformers' with distributed.backend='ray' (the agent actors sample themselves)",
-                   self.rollout.backend)
+            require(self.team.device == device, "team.device",
+                    f"must be {device!r} with distributed.backend='ray' and gpus_per_agent="
+                    f"{self.distributed.gpus_per_agent:g} (Ray gives each agent actor its own devices)",
+                    self.team.device)
+            require(self.rollout.backend == "transformers", "rollout.backend",
+                    "must be 'transformers' with distributed.backend='ray' (the agent actors sample themselves)",
+                    self.rollout.backend)
         if self.rollout.backend == "vllm":
             self._check_vllm_limits()
 
@@ -568,12 +563,12 @@ class TrainConfig:
         for i, agent in enumerate(self.team.agents):
             where = f"team.agents[{i}].sampling" if "temperature" in agent.sampling else "team.sampling"
             temperature = self.team.agent_sampling(i).temperature
-            _check(low <= temperature <= high, f"{where}.temperature",
-                   f"must be in [{low}, {high}] with rollout.backend='vllm' (vLLM rejects more than {high} and samples "
-                   f"below {low} at {low}, not at the temperature the update trains)", temperature)
+            require(low <= temperature <= high, f"{where}.temperature",
+                    f"must be in [{low}, {high}] with rollout.backend='vllm' (vLLM rejects more than {high} and "
+                    f"samples below {low} at {low}, not at the temperature the update trains)", temperature)
         engines = self.team.num_models()
-        _check(not (self.rollout.sleep_between_rollouts and engines > 1), "rollout.sleep_between_rollouts",
-               vllm_sleep_mode_rule(engines), self.rollout.sleep_between_rollouts)
+        require(not (self.rollout.sleep_between_rollouts and engines > 1), "rollout.sleep_between_rollouts",
+                vllm_sleep_mode_rule(engines), self.rollout.sleep_between_rollouts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -715,7 +710,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
             raise ConfigError(f"{where}: unknown field; valid fields here are: {', '.join(known)}")
         kwargs[key] = _coerce(value, hints[key], where)
     missing = [n for n, f in known.items()
-               if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+                if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
         where = f"{path}.{missing[0]}" if path else missing[0]
         raise ConfigError(f"{where}: required field is missing")
@@ -780,9 +775,23 @@ def _yaml11_float(text: str) -> float | str:
         return text
 
 
-def _check(ok: bool, where: str, rule: str, value: Any) -> None:
+def require(ok: bool, where: str, rule: str, value: Any) -> None:
+    """Raise a :class:`ConfigError` saying ``where: rule (got value)`` unless ``ok``: how every check of a
+    config value reads (algorithms' ``check_config`` use it too)."""
     if not ok:
         raise ConfigError(f"{where}: {rule} (got {value!r})")
+
+
+def require_registered(registry: Any, name: str, where: str) -> None:
+    """``name`` selects an entry of ``registry`` (a :class:`~teamrl.registry.Registry`): registered, or a
+    ``module:name`` import path to one; else one ConfigError naming the field and what is registered."""
+    from teamrl.imports import ImportPathError
+    from teamrl.registry import RegistryError
+
+    try:
+        registry.resolve(name)
+    except (RegistryError, ImportPathError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_model_spec(spec: str, where: str) -> None:

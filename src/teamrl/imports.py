@@ -61,7 +61,7 @@ def load_object(path: str, field: str) -> Any:
     if not is_import_path(path):
         raise ImportPathError(f"{field}: {path!r} is not an import path; write module:name, e.g. my_rewards:score")
     module_name, _, attribute = path.partition(":")
-    module = _import(module_name, field)
+    module = import_module(module_name, field)
     value: Any = module
     for part in attribute.split("."):
         if not hasattr(value, part):
@@ -109,7 +109,13 @@ def module_folder(obj: Any) -> str | None:
     return str(path.parents[depth])
 
 
-def _import(module_name: str, field: str) -> Any:
+def import_module(module_name: str, field: str) -> Any:
+    """Import the module ``module_name``, as Python would or else from :func:`search_folders` (the config files'
+    folders, the working directory), as :func:`load_object` imports a path's module.
+
+    Raises:
+        ImportPathError: it cannot be found, or raised while importing; the message names ``field``.
+    """
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:

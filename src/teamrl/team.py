@@ -162,7 +162,7 @@ class Team:
             if config.training == "lora":
                 # Prefixed: PEFT mis-handles adapter names that are substrings of its own "lora_" prefix.
                 agent.adapter = f"agent_{agent.name}"
-                agent.model = _add_adapter(model, agent.adapter, config)
+                agent.model = add_adapter(model, agent.adapter, config)
                 shared_bases[spec] = (agent.model, tokenizer)
             else:
                 if need_reference:
@@ -280,7 +280,9 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
     return model, tokenizer
 
 
-def _add_adapter(model: nn.Module, adapter: str, config: TeamConfig) -> nn.Module:
+def add_adapter(model: nn.Module, adapter: str, config: TeamConfig) -> nn.Module:
+    """A LoRA adapter named ``adapter`` (``config.lora``'s settings) on ``model``: added beside the adapters of a
+    ``PeftModel``, or wrapping a plain model whose own weights are then frozen. The model to use from then on."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     lora = LoraConfig(

@@ -11,7 +11,7 @@ import pytest
 from teamrl.envs import make_env
 from teamrl.envs.base import Environment
 from teamrl.envs.centralized import CentralizedEnv
-from teamrl.evaluation.baselines import Episode, MethodOutput
+from teamrl.evaluation.baselines import Episode, MethodOutput, as_inner_joint_actions
 from teamrl.rewards.base import RewardResult
 
 POSTS = str(Path(__file__).parent / "data" / "posts.jsonl")
@@ -55,11 +55,11 @@ def test_writing_task_reward_is_the_inner_joint_reward_of_the_two_paragraphs():
     assert env.joint_reward(item, [short]).total == 0.0
 
 
-def test_joint_output_records_every_seats_part_and_the_whole_completion():
+def test_as_inner_joint_actions_records_every_seats_part_and_the_whole_completion():
     env = CentralizedEnv(make_env("digit_sum", targets=[9], length=2))
     item = env.items("eval")[0]
     output = MethodOutput([Episode(item, ["target 9 first second"], ["4 5 3 3"])], tokens=4, seconds=0.5)
-    joint = env.joint_output(output)
+    joint = as_inner_joint_actions(env, output)
     assert joint.episodes[0].actions == ["4 5", "3 3"]
     assert joint.episodes[0].trace == {"completion": "4 5 3 3"}
     assert joint.episodes[0].observations == ["target 9 first second"]

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from teamrl.envs import make_env
+from teamrl.envs.code_schemes import SCHEMES
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.heldout import method_metrics, sample_held_out, training_view
 from teamrl.evaluation.metrics import accuracy_at_k, pass_at_k
-from teamrl.evaluation.schemes import SCHEMES
 from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import derive_seed
 from teamrl.train import Trainer
@@ -91,7 +91,7 @@ def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
     episodes = [Episode(item, ["", ""], [AUX, MAIN]) for item in (first, second) for _ in range(3)]
     rewards = [RewardResult(2.0, {"syntax": 0.5}, {"tests_passed": float(p), "tests_total": float(t)})
                for p_item, t in zip(passed, total) for p in p_item]
-    metrics = method_metrics(env, MethodOutput(episodes, tokens=60, seconds=3.0), rewards, 3, (1, 2), True)
+    metrics = method_metrics(env, MethodOutput(episodes, tokens=60, seconds=3.0), rewards, 3, (1, 2))
     rates = [[p / t for p in p_item] for p_item, t in zip(passed, total)]
     for k in (1, 2):
         assert metrics[f"pass@{k}"] == pytest.approx((pass_at_k(3, 2, k) + pass_at_k(3, 0, k)) / 2)

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from teamrl.envs import make_env
+from teamrl.envs.code_schemes import SCHEMES
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.heldout import method_metrics
 from teamrl.evaluation.report import (
@@ -24,7 +25,6 @@ from teamrl.evaluation.report import (
     write_report,
 )
 from teamrl.evaluation.runner import EvalResults, Method, MethodResult
-from teamrl.evaluation.schemes import SCHEMES
 from teamrl.rewards.base import RewardResult
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -49,7 +49,7 @@ def code_results() -> EvalResults:
         rewards = [RewardResult(3.0 * passed + 0.5, {"syntax": 0.5}, {"tests_passed": passed * len(item["tests"]),
                                                                        "tests_total": float(len(item["tests"]))})
                    for item in items]
-        metrics = method_metrics(env, MethodOutput(episodes, 40, 2.0), rewards, 1, (1,), True)
+        metrics = method_metrics(env, MethodOutput(episodes, 40, 2.0), rewards, 1, (1,))
         samples = [{"item": e.item["id"], "sample": 0, "actions": e.actions, "reward": r.total, "parts": r.parts,
                     "scheme": "fallback"} for e, r in zip(episodes, rewards)]
         methods.append(MethodResult(Method(spec, spec), metrics, samples))

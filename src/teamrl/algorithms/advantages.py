@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from teamrl._deprecated import moved_names
-from teamrl.registry import registrar
+from teamrl.registry import ADVANTAGES
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
-ADVANTAGES: dict[str, AdvantageFn] = {}
-register_advantage = registrar(ADVANTAGES)
-"""``@register_advantage(name)``: make an estimator (returns over the last dim -> advantages) selectable."""
+register_advantage = ADVANTAGES.register
+"""``@register_advantage(name, leave_the_sample_out=False)``: make an estimator (returns over the last dim ->
+advantages) selectable as ``algorithm.advantage: name``. ``leave_the_sample_out=True``: its baseline for sample g
+is built from the other samples' returns only (as 'rloo' and 'max'), so :func:`sample_advantages` gives it one
+return per sample."""
 
 
 @register_advantage("mean")
@@ -34,7 +36,7 @@ def std_normalised(returns: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     return mean_baseline(returns) / (returns.std(dim=-1, keepdim=True) + eps)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", leave_the_sample_out=True)
 def leave_one_out(returns: torch.Tensor) -> torch.Tensor:
     """A_g = R_g - mean of the other G-1 returns (RLOO), i.e. G/(G-1) times the mean-baseline advantage."""
     size = returns.shape[-1]
@@ -47,7 +49,7 @@ def no_baseline(returns: torch.Tensor) -> torch.Tensor:
     return returns.clone()
 
 
-@register_advantage("max")
+@register_advantage("max", leave_the_sample_out=True)
 def best_of_others(returns: torch.Tensor) -> torch.Tensor:
     """A_g = R_g - max of the other G-1 returns: MAReMax's max baseline, left out of its own sample.
 
@@ -68,11 +70,6 @@ def best_of_others(returns: torch.Tensor) -> torch.Tensor:
     return returns - others_best
 
 
-LEAVE_THE_SAMPLE_OUT = frozenset({"rloo", "max"})
-"""Estimators whose baseline for sample g is built from the other samples' returns only (add a registered
-name here if its baseline does the same): :func:`sample_advantages` gives them one return per sample."""
-
-
 def sample_advantages(returns: torch.Tensor, combos: torch.Tensor, agent: int, num_samples: int,
                       mode: str) -> torch.Tensor:
     """(E, G) advantage of each of ``agent``'s samples, from the (E, M) returns of one reward channel.
@@ -87,10 +84,8 @@ def sample_advantages(returns: torch.Tensor, combos: torch.Tensor, agent: int, n
     - a constant: an unbiased gradient ('mean' gives (G-1)/G E[R | sample g] - a constant, its own share
     counted; 'std''s spread depends on sample g, as in GRPO).
     """
-    if mode not in ADVANTAGES:
-        raise ValueError(f"algorithm.advantage: unknown mode {mode!r}; registered: {', '.join(ADVANTAGES)}")
-    estimate = ADVANTAGES[mode]
-    if mode in LEAVE_THE_SAMPLE_OUT:
+    estimate = ADVANTAGES.lookup(mode)
+    if ADVANTAGES.properties(mode).get("leave_the_sample_out"):
         return estimate(agent_advantages(returns, combos, agent, num_samples))
     return agent_advantages(estimate(returns), combos, agent, num_samples)
 

@@ -13,13 +13,12 @@ Trainer's checkpoints through :meth:`Algorithm.states`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from teamrl.config import ALGORITHM_NAMES, TrainConfig
-from teamrl.registry import registrar
+from teamrl.config import TrainConfig
+from teamrl.registry import ALGORITHMS
 
 if TYPE_CHECKING:
     import torch
@@ -97,25 +96,22 @@ class TrainsTheAgentsOnly:
         pass
 
 
-ALGORITHMS: dict[str, type] = {}
-register_algorithm = registrar(ALGORITHMS)
-"""``@register_algorithm(name)``: make an :class:`Algorithm` class selectable as ``algorithm.name``."""
-
-#: The modules of the shipped algorithms, imported (so that they register) when an algorithm is made.
-_BUILTIN_MODULES = {"magrpo": "teamrl.algorithms.magrpo", "mareinforce": "teamrl.algorithms.magrpo",
-                    "marloo": "teamrl.algorithms.magrpo", "maremax": "teamrl.algorithms.magrpo",
-                    "centralized": "teamrl.algorithms.centralized", "iac": "teamrl.algorithms.actor_critic",
-                    "maac": "teamrl.algorithms.actor_critic", "madpo": "teamrl.algorithms.madpo",
-                    "marlhf": "teamrl.algorithms.marlhf"}
+register_algorithm = ALGORITHMS.register
+"""``@register_algorithm(name, advantage=None, uses_reference=False)``: make an :class:`Algorithm` class selectable
+as ``algorithm.name: name``. ``advantage``: the advantage estimator the name fixes (MARLOO is MAGRPO with 'rloo';
+``algorithm.advantage`` may then only be empty or the same); ``uses_reference``: its update reads each agent's frozen
+reference policy whatever ``algorithm.kl_coef`` says (MADPO's log-ratios). A class may also have a static
+``check_config(config: TrainConfig)`` raising :class:`~teamrl.config.ConfigError` for settings it cannot run with,
+which loading a config calls, and a static ``environment(env)`` (:func:`make_environment`)."""
 
 
 def algorithm_class(name: str) -> type:
-    """The class registered as ``name``, importing the shipped module that registers it."""
-    if name not in ALGORITHMS and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm.name: unknown algorithm {name!r}; shipped: {', '.join(ALGORITHM_NAMES)}")
-    return ALGORITHMS[name]
+    """The class registered as ``name`` (or imported from the ``module:Class`` path ``name``).
+
+    Raises:
+        teamrl.registry.RegistryError: nothing is registered as ``name``; the message lists what is.
+    """
+    return ALGORITHMS.lookup(name)
 
 
 def make_environment(config: TrainConfig, env: Environment) -> Environment:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.magrpo import MAGRPO
+from teamrl.config import TrainConfig, require
 from teamrl.envs.base import Environment
 from teamrl.envs.centralized import CentralizedEnv
 
@@ -29,6 +30,19 @@ from teamrl.envs.centralized import CentralizedEnv
 @register_algorithm("centralized")
 class Centralized(MAGRPO):
     """MAGRPO's step (:class:`~teamrl.algorithms.magrpo.MAGRPO`) on the task as one agent plays it."""
+
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """What the centralised policy cannot run with (called when a config loads)."""
+        algorithm = config.algorithm
+        require(algorithm.num_turns == 1, "algorithm.num_turns", "must be 1 with name='centralized' (single-turn)",
+                algorithm.num_turns)
+        require(algorithm.learners == "joint", "algorithm.learners",
+                "must be 'joint' with name='centralized' (its one agent has no reward of its own)", algorithm.learners)
+        require(len(config.team.agents) == 1, "team.agents",
+                "algorithm.name='centralized' trains one policy that writes every seat's part: list exactly one "
+                "agent, e.g. team.agents=[{name: central}] (docs/algorithm.md#centralized)",
+                [a.name for a in config.team.agents])
 
     @staticmethod
     def environment(env: Environment) -> CentralizedEnv:

@@ -31,7 +31,7 @@ from torch import nn
 
 from teamrl.algorithms.update import clip_gradients, make_optimizer, micro_batches
 from teamrl.checkpoint import AgentState, agent_state, restore_agent_state
-from teamrl.team import Team, _add_adapter, load_base_model
+from teamrl.team import Team, add_adapter, load_base_model
 
 if TYPE_CHECKING:
     from teamrl.algorithms.base import AgentBackend
@@ -194,7 +194,7 @@ def build_critics(specs: Sequence[tuple[str, str, int]], config: TrainConfig, en
         adapter = None
         if lora:
             adapter = name.replace(".", "_")  # PEFT's module names are dotted paths
-            backbone = _add_adapter(backbone, adapter, config.team)
+            backbone = add_adapter(backbone, adapter, config.team)
             bases[spec] = (backbone, tokenizer)
             marker = f".{adapter}."
             trained = [p for n, p in backbone.named_parameters() if marker in n and "lora_" in n]

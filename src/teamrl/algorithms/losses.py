@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from teamrl.registry import registrar
+from teamrl.registry import AGGREGATIONS, Registry
 
 if TYPE_CHECKING:
     from teamrl.config import AlgorithmConfig
 
 Aggregation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-AGGREGATIONS: dict[str, Aggregation] = {}
-register_aggregation = registrar(AGGREGATIONS)
-"""``@register_aggregation(name)``: make a ((B, C) token loss, (B, C) mask) -> summed loss function selectable."""
+register_aggregation = AGGREGATIONS.register
+"""``@register_aggregation(name, per_token=False)``: make a ((B, C) token loss, (B, C) mask) -> summed loss function
+selectable. The summed loss of an update is divided by its number of examples, or with ``per_token=True`` by its
+number of completion tokens (:func:`loss_normalizer`)."""
 
 
 @register_aggregation("token_sum")
@@ -43,7 +44,7 @@ def sequence_mean(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # 'token_mean' (DAPO) sums like 'token_sum'; it differs in its normalizer: tokens of the batch, not sequences.
-AGGREGATIONS["token_mean"] = token_sum
+register_aggregation("token_mean", per_token=True)(token_sum)
 
 
 def loss_normalizer(masks: list[torch.Tensor], aggregation: str, rows_per_example: int = 1) -> float:
@@ -53,7 +54,7 @@ def loss_normalizer(masks: list[torch.Tensor], aggregation: str, rows_per_exampl
     Computed once over all micro-batches, so accumulating micro-batch gradients gives exactly the
     gradient of the full batch.
     """
-    if aggregation == "token_mean":
+    if AGGREGATIONS.properties(aggregation).get("per_token"):
         return float(sum(int(m.sum()) for m in masks))
     return float(sum(m.shape[0] for m in masks)) / rows_per_example
 
@@ -87,9 +88,7 @@ def policy_loss(
         aggregation: a name in :data:`AGGREGATIONS`.
         normalizer: :func:`loss_normalizer` of the whole update this micro-batch belongs to.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"algorithm.logprob_aggregation: unknown {aggregation!r}; "
-                         f"registered: {', '.join(AGGREGATIONS)}")
+    aggregate = AGGREGATIONS.lookup(aggregation)
     keep = mask.bool()
     mask = mask.to(logprobs.dtype)
     # Untrained positions are replaced (not multiplied) by zeros before exp(): whatever they hold,
@@ -105,7 +104,7 @@ def policy_loss(
     if ref_logprobs is not None and kl_coef > 0:
         kl = kl_k3(logprobs, torch.where(keep, ref_logprobs, torch.zeros_like(ref_logprobs))) * mask
         token_loss = token_loss + kl_coef * kl
-    loss = AGGREGATIONS[aggregation](token_loss, mask) / normalizer
+    loss = aggregate(token_loss, mask) / normalizer
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1)
         was_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
@@ -136,24 +135,20 @@ class UpdateLoss:
     """All-zero values give exactly zero gradient (without a KL term): the update skips such a micro-batch."""
 
 
-LOSSES: dict[str, UpdateLoss] = {}
+LOSSES: Registry[LossFn] = Registry("update loss", "loss")
+"""The losses an update can minimise (``AgentBackend.update(..., loss=name)``), with their :class:`UpdateLoss`
+settings as properties."""
 
 
 def register_loss(name: str, *, rows_per_example: int = 1, linear_in_values: bool = True) -> Callable[[LossFn], LossFn]:
-    """``@register_loss(name)``: make a loss function selectable as ``AgentBackend.update(..., loss=name)``."""
-
-    def wrap(fn: LossFn) -> LossFn:
-        LOSSES[name] = UpdateLoss(fn, rows_per_example, linear_in_values)
-        return fn
-
-    return wrap
+    """``@register_loss(name)``: make a loss function selectable as ``AgentBackend.update(..., loss=name)``;
+    ``rows_per_example`` and ``linear_in_values`` as :class:`UpdateLoss` says."""
+    return LOSSES.register(name, rows_per_example=rows_per_example, linear_in_values=linear_in_values)
 
 
 def update_loss(name: str) -> UpdateLoss:
-    """The registered loss ``name``."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown update loss {name!r}; registered: {', '.join(LOSSES)}")
-    return LOSSES[name]
+    """The registered loss ``name`` with its settings."""
+    return UpdateLoss(LOSSES.lookup(name), **LOSSES.properties(name))
 
 
 def contributes(loss: UpdateLoss, values: torch.Tensor, kl_coef: float) -> bool:

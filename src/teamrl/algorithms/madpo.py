@@ -42,7 +42,7 @@ from teamrl.algorithms.losses import sequence_logprobs
 from teamrl.algorithms.magrpo import advantages
 from teamrl.algorithms.preferences import preference_pairs
 from teamrl.algorithms.update import UpdateStats
-from teamrl.config import TrainConfig
+from teamrl.config import TrainConfig, require
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation
 from teamrl.rollout.tree import RolloutTree, rollout_metrics
@@ -51,10 +51,22 @@ if TYPE_CHECKING:
     from teamrl.algorithms.base import AgentBackend
 
 
-@register_algorithm("madpo")
+@register_algorithm("madpo", uses_reference=True)
 class MADPO(TrainsTheAgentsOnly):
     """The learning half of a MADPO step (:class:`~teamrl.algorithms.base.Algorithm`): preference pairs of the
     rollout's joint actions, then every agent's DPO update through its backend."""
+
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """What MADPO cannot run with (called when a config loads)."""
+        algorithm = config.algorithm
+        require(algorithm.learners == "joint", "algorithm.learners",
+                "must be 'joint' with madpo: its preferences compare joint rewards", algorithm.learners)
+        require(algorithm.kl_coef == 0, "algorithm.kl_coef",
+                "must be 0 with madpo: DPO's beta already keeps each agent near its reference", algorithm.kl_coef)
+        require(algorithm.logprob_aggregation == "token_sum", "algorithm.logprob_aggregation",
+                "must be 'token_sum' with madpo: DPO compares whole completions' log-probs",
+                algorithm.logprob_aggregation)
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm

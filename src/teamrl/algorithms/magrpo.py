@@ -41,17 +41,18 @@ if TYPE_CHECKING:
     from teamrl.envs.base import Environment
 
 
+# Registered bottom-up: magrpo first, as `teamrl compare --algorithms all` lists them.
+@register_algorithm("maremax", advantage="max")
+@register_algorithm("marloo", advantage="rloo")
+@register_algorithm("mareinforce", advantage="none")
 @register_algorithm("magrpo")
-@register_algorithm("mareinforce")
-@register_algorithm("marloo")
-@register_algorithm("maremax")
 class MAGRPO(TrainsTheAgentsOnly):
     """The learning half of a MAGRPO step (:class:`~teamrl.algorithms.base.Algorithm`): returns and Eq. 1's
     advantages over the tree (:func:`advantages`), then every agent's Eq. 2 update through its backend.
 
     MAREINFORCE, MARLOO and MAReMax are this class under their own names: the same step with the advantage
-    estimator the name fixes (:data:`~teamrl.config.FIXED_ADVANTAGES`: raw return, leave-one-out mean,
-    best of the others), as ``config.advantage_estimator`` resolves it."""
+    estimator the name fixes (registered with it: raw return, leave-one-out mean, best of the others), as
+    ``config.advantage_estimator`` resolves it."""
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm

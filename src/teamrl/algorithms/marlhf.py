@@ -42,7 +42,7 @@ from teamrl.algorithms.magrpo import MAGRPO, advantages
 from teamrl.algorithms.preferences import bradley_terry_loss, pairwise_accuracy, preference_pairs
 from teamrl.algorithms.update import UpdateStats, clip_gradients, micro_batches
 from teamrl.checkpoint import AgentState
-from teamrl.config import RewardModelConfig, TrainConfig
+from teamrl.config import RewardModelConfig, TrainConfig, require
 from teamrl.envs.base import Environment
 from teamrl.rollout.tree import RolloutTree, rollout_metrics
 from teamrl.team import load_base_model
@@ -112,6 +112,12 @@ def joint_action_text(observations: Sequence[str], actions: Sequence[str]) -> st
 class MARLHF:
     """The learning half of a MARLHF step (:class:`~teamrl.algorithms.base.Algorithm`): the reward model's
     training on the step's preferences, then MAGRPO on its rewards (see the module's docstring)."""
+
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """What MARLHF cannot run with (called when a config loads)."""
+        require(config.algorithm.learners == "joint", "algorithm.learners",
+                "must be 'joint' with marlhf: its preferences compare joint rewards", config.algorithm.learners)
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         if REWARD_MODEL in agents.names:

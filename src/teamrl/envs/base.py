@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from teamrl.registry import registrar
+from teamrl.registry import Registry
 from teamrl.rewards.base import RewardResult
 
 Item = dict[str, Any]
@@ -164,6 +164,21 @@ class Environment(ABC):
         parts.append(f"{request} so that it fits with {whose}. Reply with your own part only.")
         return "\n\n".join(parts)
 
+    #: The cooperation schemes :meth:`cooperation_scheme` tells apart, in the order evaluations report them
+    #: (the coding task: the paper's fallback, decorator, coordinator, strategy filter and the rest); none here.
+    cooperation_schemes: tuple[str, ...] = ()
+
+    def cooperation_scheme(self, item: Item, actions: Sequence[str]) -> str | None:
+        """The scheme of :attr:`cooperation_schemes` the joint action ``actions`` shows, for the evaluation's
+        distribution of them; None for a task that names none (the default)."""
+        return None
+
+    def test_pass_rate(self, item: Item, reward: RewardResult) -> float | None:
+        """The fraction of ``item``'s tests a joint action passed, read from its joint ``reward``, for a task graded
+        by tests (evaluations then report pass@k, accuracy@k and tests passed); None for one that is not (the
+        default)."""
+        return None
+
     def _output_name(self, seat: int) -> str:
         return self.output_names[seat] if seat < len(self.output_names) else "answer"
 
@@ -178,8 +193,8 @@ def _with_id(item: Any, default_id: str, env_name: str, split: str) -> Item:
     return item if item.get("id") is not None else {**item, "id": default_id}
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
-register_env = registrar(ENVIRONMENTS)
+ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("environment", "env.name")
+register_env = ENVIRONMENTS.register
 """``@register_env(name)``: class decorator making an environment constructible by name from a config."""
 
 

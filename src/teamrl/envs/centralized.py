@@ -5,20 +5,16 @@ reads the whole task (:meth:`~teamrl.envs.base.Environment.single_agent_observat
 ``single_agent_role``), and its completion is split into every seat's part
 (:meth:`~teamrl.envs.base.Environment.split_single_agent_output`), which the task's own joint reward
 scores. So one policy trained on it learns from the very reward a decentralised team learns from, on the
-same items, and its held-out joint reward is comparable to a team's (:meth:`CentralizedEnv.joint_output`).
+same items, and its held-out joint reward is comparable to a team's
+(:func:`~teamrl.evaluation.baselines.as_inner_joint_actions`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.rewards.base import RewardResult
-
-if TYPE_CHECKING:
-    from teamrl.evaluation.baselines import MethodOutput
 
 
 class CentralizedEnv(Environment):
@@ -55,15 +51,6 @@ class CentralizedEnv(Environment):
         # Through the inner task's batch scoring (a coding task's sandbox pool).
         return self.inner.joint_rewards([(item, self.inner_actions(item, actions), history)
                                          for item, actions, history in requests])
-
-    def joint_output(self, output: MethodOutput) -> MethodOutput:
-        """``output``'s episodes as the inner task's joint actions (every seat's part, the one agent's whole
-        completion in the trace), as the prompt-only single-agent baseline records them: the inner task
-        scores them as it scores a team's."""
-        episodes = [replace(episode, actions=self.inner_actions(episode.item, episode.actions),
-                            trace={**episode.trace, "completion": episode.actions[0]})
-                    for episode in output.episodes]
-        return replace(output, episodes=episodes)
 
     def vocabulary(self) -> list[str] | None:
         return self.inner.vocabulary()

@@ -79,6 +79,7 @@ from typing import Any
 from teamrl import data
 from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.envs.code_extract import ExtractedCode, extract_code, render, safe_parse
+from teamrl.envs.code_schemes import SCHEMES, classify_scheme
 from teamrl.feedback.critique import CritiqueClient, CritiqueConfig
 from teamrl.feedback.static import analyze_code, format_test_failures
 from teamrl.rewards.base import RewardResult
@@ -640,6 +641,17 @@ class CodingEnv(Environment):
         return [revision_observation(first, shown_answer(action, code), lines, team, critique, target)
                 for first, action, code, lines, target
                 in zip(self.observe(item), actions, codes, findings, (AUX, item["entry_point"]))]
+
+    cooperation_schemes = SCHEMES
+
+    def cooperation_scheme(self, item: Item, actions: Sequence[str]) -> str:
+        """How the helper and the main agent cooperated, from their code alone
+        (:func:`~teamrl.envs.code_schemes.classify_scheme`)."""
+        return classify_scheme(actions[HELPER], actions[MAIN], item["entry_point"], AUX).scheme
+
+    def test_pass_rate(self, item: Item, reward: RewardResult) -> float:
+        """The fraction of the item's held tests passed (0 when the code never reached the tests)."""
+        return reward.counts.get("tests_passed", 0.0) / len(item["tests"])
 
     def vocabulary(self) -> list[str]:
         """:data:`PYTHON_WORDS` plus every problem's entry point and parameter names."""

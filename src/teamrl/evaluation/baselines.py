@@ -35,7 +35,7 @@ from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.inference import TeamOutput, run_team
-from teamrl.registry import registrar
+from teamrl.registry import Registry
 from teamrl.team import Team
 
 T = TypeVar("T")
@@ -71,8 +71,8 @@ class MethodOutput:
 
 
 Baseline = Callable[[Environment, Team, Sequence[Item], int], MethodOutput]
-BASELINES: dict[str, Baseline] = {}
-register_baseline = registrar(BASELINES)
+BASELINES: Registry[Baseline] = Registry("baseline", "--methods")
+register_baseline = BASELINES.register
 """``@register_baseline(name)``: make a baseline selectable by name in ``teamrl eval --methods``."""
 
 
@@ -97,7 +97,17 @@ def single(env: Environment, team: Team, items: Sequence[Item], num_samples: int
     output = run_team(Team([agent]), observations, num_samples)
     episodes = [Episode(item, seen, [text])
                 for (item, seen), text in zip(_repeat(zip(items, observations), num_samples), output.texts[0])]
-    return central.joint_output(MethodOutput(episodes, output.tokens, output.seconds))
+    return as_inner_joint_actions(central, MethodOutput(episodes, output.tokens, output.seconds))
+
+
+def as_inner_joint_actions(central: CentralizedEnv, output: MethodOutput) -> MethodOutput:
+    """A centralised policy's ``output`` (one completion per episode) as the joint actions of the task it plays
+    (every seat's part, the one agent's whole completion in the trace), as the prompt-only single-agent baseline
+    records them: the task then scores them as it scores a team's."""
+    episodes = [replace(episode, actions=central.inner_actions(episode.item, episode.actions),
+                        trace={**episode.trace, "completion": episode.actions[0]})
+                for episode in output.episodes]
+    return replace(output, episodes=episodes)
 
 
 @register_baseline("concat")

@@ -1,6 +1,6 @@
 """``teamrl compare``: algorithms (or config variants) trained on one task under one training-time budget.
 
-Every *contender* (an algorithm of :data:`~teamrl.config.ALGORITHM_NAMES`, or a named set of config
+Every *contender* (a registered algorithm, :data:`~teamrl.algorithms.base.ALGORITHMS`, or a named set of config
 overrides) trains on the same task, items, reward and seeds, for the same number of training minutes
 (``minutes``: the sum of the steps' own time, evaluation not counted; the step under way when the budget
 runs out finishes) or steps. Its team is scored on the held-out split at step 0 and then every
@@ -45,7 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from teamrl.config import ALGORITHM_NAMES, FIXED_ADVANTAGES, TrainConfig, load_config
+from teamrl.algorithms.base import ALGORITHMS
+from teamrl.config import TrainConfig, load_config
+from teamrl.registry import RegistryError
 
 RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
     "results.json", "results.md", "results.csv", "report.html", "curve.png")
@@ -70,10 +72,13 @@ def algorithm_contender(name: str, config: TrainConfig) -> Contender:
     ``centralized`` gets one agent, the policy that writes every seat's part, with the team's token budget
     (the sum of its agents' ``max_new_tokens``), as the prompt-only ``single`` baseline has.
     """
-    if name not in ALGORITHM_NAMES:
-        raise ValueError(f"--algorithms: unknown algorithm {name!r}; choose from {', '.join(ALGORITHM_NAMES)}")
+    try:
+        fixed_advantage = ALGORITHMS.properties(name).get("advantage")
+    except RegistryError:
+        raise ValueError(f"--algorithms: unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)} "
+                         f"(or give your own as module:Class)") from None
     overrides = [f"algorithm.name={name}"]
-    if name in FIXED_ADVANTAGES:
+    if fixed_advantage:
         overrides.append("algorithm.advantage=null")
     if name == "centralized":
         budget = sum(agent.sampling.get("max_new_tokens", config.team.sampling.max_new_tokens)
@@ -83,8 +88,8 @@ def algorithm_contender(name: str, config: TrainConfig) -> Contender:
 
 
 def parse_algorithms(text: str, config: TrainConfig) -> list[Contender]:
-    """``--algorithms``: comma-separated names (:func:`algorithm_contender` each), or ``all`` of them."""
-    names = ALGORITHM_NAMES if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    """``--algorithms``: comma-separated names (:func:`algorithm_contender` each), or ``all`` registered ones."""
+    names = list(ALGORITHMS) if text.strip() == "all" else [name.strip() for name in text.split(",") if name.strip()]
     return [algorithm_contender(name, config) for name in names]
 
 

@@ -21,10 +21,8 @@ import torch
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import checked_observations, checked_rewards, first_observations
-from teamrl.envs.coding import AUX, HELPER, MAIN, CodingEnv
-from teamrl.evaluation.baselines import Episode, MethodOutput
+from teamrl.evaluation.baselines import Episode, MethodOutput, as_inner_joint_actions
 from teamrl.evaluation.metrics import accuracy_at_k, normalised_return, pass_at_k, summarise_levels, tokens_per_second
-from teamrl.evaluation.schemes import classify_scheme, scheme_distribution
 from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import derive_seed
 
@@ -110,13 +108,12 @@ def score(env: Environment, output: MethodOutput, num_samples: int,
     completions (:class:`~teamrl.envs.centralized.CentralizedEnv`) are scored as the joint actions of the task
     it plays, so its numbers are a team's. A multi-turn episode scores its return (:func:`episode_result`)."""
     if isinstance(env, CentralizedEnv):
-        env, output = env.inner, env.joint_output(output)
+        env, output = env.inner, as_inner_joint_actions(env, output)
     requests = [(episode.item, episode.actions, episode.history) for episode in output.episodes]
     last = checked_rewards(env, requests, env.joint_rewards(requests))
     rewards = [episode_result(episode.history, result) for episode, result in zip(output.episodes, last)]
-    is_code = isinstance(env, CodingEnv)
-    return (method_metrics(env, output, rewards, num_samples, ks, is_code),
-            sample_records(output.episodes, rewards, num_samples, is_code))
+    return (method_metrics(env, output, rewards, num_samples, ks),
+            sample_records(env, output.episodes, rewards, num_samples))
 
 
 def episode_result(history: Sequence[Step], last: RewardResult) -> RewardResult:
@@ -134,15 +131,17 @@ def episode_result(history: Sequence[Step], last: RewardResult) -> RewardResult:
 
 
 def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[RewardResult], num_samples: int,
-                   ks: Sequence[int], is_code: bool) -> dict[str, float]:
+                   ks: Sequence[int]) -> dict[str, float]:
     """A method's metrics (names as in ``teamrl eval``'s ``results.json``).
 
     ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
     ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
     ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
-    and ``tokens_per_s``; for coding tasks also ``pass@k``, ``accuracy@k`` (averaged over items, from
-    the item's ``num_samples`` joint actions), ``tests_passed`` (the mean fraction of an item's held tests a
-    joint action passes) and ``scheme/NAME`` (the fraction of joint actions in each cooperation scheme).
+    and ``tokens_per_s``; for a task graded by tests (:meth:`~teamrl.envs.base.Environment.test_pass_rate`, the
+    coding tasks) also ``pass@k``, ``accuracy@k`` (averaged over items, from the item's ``num_samples`` joint
+    actions) and ``tests_passed`` (the mean fraction of an item's held tests a joint action passes), and for one
+    that names cooperation schemes (:attr:`~teamrl.envs.base.Environment.cooperation_schemes`) ``scheme/NAME``
+    (the fraction of joint actions in each).
     """
     totals = [reward.total for reward in rewards]
     metrics = {"normalised_return": normalised_return(totals, env.max_reward),
@@ -150,17 +149,17 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
                "reward_std": statistics.pstdev(totals)}
     metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})
     metrics.update({f"count/{name}": value for name, value in summarise_levels([r.counts for r in rewards]).items()})
-    if is_code:
-        rates = [_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
+    rates = [env.test_pass_rate(episode.item, reward) for episode, reward in zip(output.episodes, rewards)]
+    if all(rate is not None for rate in rates):
         per_item = [rates[start:start + num_samples] for start in range(0, len(rates), num_samples)]
         for k in ks:
             metrics[f"pass@{k}"] = statistics.fmean(pass_at_k(num_samples, sum(r == 1.0 for r in item), k)
                                                     for item in per_item)
             metrics[f"accuracy@{k}"] = statistics.fmean(accuracy_at_k(item, k) for item in per_item)
         metrics["tests_passed"] = statistics.fmean(rates)
-        schemes = scheme_distribution([(e.actions[HELPER], e.actions[MAIN]) for e in output.episodes],
-                                      [e.item["entry_point"] for e in output.episodes], AUX)
-        metrics.update({f"scheme/{name}": fraction for name, fraction in schemes.items()})
+    if env.cooperation_schemes:
+        schemes = [env.cooperation_scheme(episode.item, episode.actions) for episode in output.episodes]
+        metrics.update({f"scheme/{name}": schemes.count(name) / len(schemes) for name in env.cooperation_schemes})
     answers = len(output.episodes)
     metrics.update({"tokens": float(output.tokens), "seconds": output.seconds,
                     "tokens_per_answer": output.tokens / answers, "seconds_per_answer": output.seconds / answers,
@@ -168,13 +167,8 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
     return metrics
 
 
-def _pass_rate(item: Item, reward: RewardResult) -> float:
-    """The fraction of the item's tests a joint action passed (0 when its code never reached the tests)."""
-    return reward.counts.get("tests_passed", 0.0) / len(item["tests"])
-
-
-def sample_records(episodes: Sequence[Episode], rewards: Sequence[RewardResult], num_samples: int,
-                   is_code: bool) -> list[dict[str, Any]]:
+def sample_records(env: Environment, episodes: Sequence[Episode], rewards: Sequence[RewardResult],
+                   num_samples: int) -> list[dict[str, Any]]:
     """``results.json``'s record of each joint action: what each agent saw and wrote, and its reward."""
     records = []
     for index, (episode, reward) in enumerate(zip(episodes, rewards)):
@@ -184,9 +178,8 @@ def sample_records(episodes: Sequence[Episode], rewards: Sequence[RewardResult],
         if episode.history:  # a multi-turn episode: its earlier turns, its last above
             record["earlier_turns"] = [{"observations": list(step.observations), "actions": list(step.actions),
                                         "reward": step.reward.total} for step in episode.history]
-        if is_code:
-            record["scheme"] = classify_scheme(episode.actions[HELPER], episode.actions[MAIN],
-                                               episode.item["entry_point"], AUX).scheme
+        if env.cooperation_schemes:
+            record["scheme"] = env.cooperation_scheme(episode.item, episode.actions)
         records.append(record)
     return records
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from teamrl.evaluation.schemes import SCHEMES
+from teamrl.envs.code_schemes import SCHEMES
 from teamrl.run_dir import CONFIG_FILE, CURVE_FILE, EVAL_FILE, METRICS_FILE
 
 #: One colour per cooperation scheme, in the order of ``SCHEMES``, the same in every plot.

@@ -29,7 +29,6 @@ from typing import Any
 from teamrl.evaluation.metrics import paired_difference
 from teamrl.evaluation.plots import plot_methods, plot_reward_curve, plot_schemes
 from teamrl.evaluation.runner import EvalResults, MethodResult
-from teamrl.evaluation.schemes import SCHEMES
 
 RESULTS_MD, RESULTS_CSV, RESULTS_JSON, REPORT_HTML = "results.md", "results.csv", "results.json", "report.html"
 METHODS_PNG, SCHEMES_PNG, REWARD_CURVE_PNG = "methods.png", "schemes.png", "reward_curve.png"
@@ -67,16 +66,16 @@ def _prefixed_columns(results: EvalResults, prefix: str) -> list[Column]:
 
 
 def tables(results: EvalResults) -> list[tuple[str, list[Column]]]:
-    """(title, columns) of each table: the results, the reward per level, what the environment counted and,
-    for code, the schemes. Tables without a column (a reward with no parts) are left out."""
+    """(title, columns) of each table: the results, the reward per level, what the environment counted and the
+    cooperation schemes of a task that names them (the coding tasks). Tables without a column (a reward with no
+    parts) are left out."""
     results_title = "Results (pass@k, acc@k and tests passed count each problem's held tests, which no feedback " \
         "shows)" if results.is_code else "Results"
     sections = [(results_title, main_columns(results)),
                 (f"Mean reward per level (max total {results.max_reward:g})", _prefixed_columns(results, "level/")),
                 ("Mean counts per joint action (not part of the reward)", _prefixed_columns(results, "count/"))]
-    if results.is_code:
-        sections.append(("Cooperation schemes (fraction of joint actions)",
-                         [Column(scheme, f"scheme/{scheme}", ".2f") for scheme in SCHEMES]))
+    sections.append(("Cooperation schemes (fraction of joint actions)",
+                     [Column(column.header, column.metric, ".2f") for column in _prefixed_columns(results, "scheme/")]))
     return [(title, columns) for title, columns in sections if columns]
 
 
@@ -194,8 +193,9 @@ def write_plots(results: EvalResults, out_dir: Path, history: Sequence[Mapping[s
         series.update({f"pass@{k}": [result.metrics[f"pass@{k}"] for result in results.methods] for k in results.ks})
     plots = {"Methods compared": plot_methods(titles, series, out_dir / METHODS_PNG,
                                               title=f"{results.env_name}: methods compared")}
-    if results.is_code:
-        distributions = [{s: r.metrics[f"scheme/{s}"] for s in SCHEMES} for r in results.methods]
+    schemes = [column.header for column in _prefixed_columns(results, "scheme/")]
+    if schemes:
+        distributions = [{s: r.metrics.get(f"scheme/{s}", 0.0) for s in schemes} for r in results.methods]
         plots["Cooperation schemes"] = plot_schemes(titles, distributions, out_dir / SCHEMES_PNG)
     if history:
         plots["Training reward curve"] = plot_reward_curve(history, out_dir / REWARD_CURVE_PNG,

@@ -31,7 +31,6 @@ from teamrl.config import TrainConfig, config_to_dict, load_config, presets, res
 from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
-from teamrl.envs.coding import CodingEnv
 from teamrl.evaluation.baselines import BASELINES, MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
 from teamrl.imports import ENVIRONMENT_GROUP, entry_point, is_import_path
@@ -170,7 +169,8 @@ class EvalResults:
     ks: tuple[int, ...]
     max_reward: float
     is_code: bool
-    """Whether the task is a coding task (pass@k, tests and cooperation schemes apply)."""
+    """Whether the task is graded by tests (:meth:`~teamrl.envs.base.Environment.test_pass_rate`: pass@k and tests
+    passed apply; the coding tasks)."""
     agent_names: list[str]
     methods: list[MethodResult]
     config: dict[str, Any] = field(default_factory=dict)
@@ -211,7 +211,7 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
         raise ValueError(f"--split: {err}") from None
     if not items:
         raise ValueError(f"--split: {config.env.name} has no {settings.split!r} items")
-    is_code = isinstance(env, CodingEnv)
+    is_code = type(env).test_pass_rate is not Environment.test_pass_rate
     if any(m.baseline == "single" for m in settings.methods) and \
             type(env).single_agent_observation is Environment.single_agent_observation:
         raise ValueError(f"--methods: single: {type(env).__name__} defines no single-agent prompt; implement "

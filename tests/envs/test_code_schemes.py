@@ -6,7 +6,7 @@ from textwrap import dedent
 
 import pytest
 
-from teamrl.evaluation.schemes import SCHEMES, classify_scheme, scheme_distribution
+from teamrl.envs.code_schemes import SCHEMES, classify_scheme, scheme_distribution
 
 AUX = "def aux(xs):\n    return sorted(set(xs))\n"
 
