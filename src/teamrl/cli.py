@@ -2,8 +2,11 @@
 ``teamrl generate``, ``teamrl serve``, ``teamrl demo``, ``teamrl eval ENV_OR_CONFIG``, ``teamrl compare ENV_OR_CONFIG``,
 ``teamrl plot RUN_DIR``, ``teamrl presets``, ``teamrl config``, ``teamrl envs``.
 
-Only what a command needs is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs``
-never import torch or transformers (seconds on their own).
+Each subcommand is a function that adds its parser (:data:`SUBCOMMANDS`) and one that runs it
+(``set_defaults(run=...)``); the flags of ``teamrl eval`` and ``teamrl compare`` that are settings are made from their
+settings classes (:mod:`teamrl.flags`: each one's help is written once, beside the field). Only what a command needs
+is imported, when it runs: ``--help``, ``presets``, ``config`` and ``envs`` never import torch or transformers
+(seconds on their own).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import TYPE_CHECKING
 
 from teamrl import __version__
 from teamrl.config import ConfigError, describe_fields, load_config
+from teamrl.evaluation.compare import CompareSettings
+from teamrl.evaluation.methods import EvalSettings
+from teamrl.flags import add_flags, from_flags
 from teamrl.run_dir import ADVISE_FLAGS
 from teamrl.runtime import quiet_libraries, use_threads
 
@@ -26,6 +32,35 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in arg and not arg.startswith("-") for arg in extra):
+        args.overrides += extra  # overrides after an option: argparse leaves positionals there unparsed
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(args, "verbose", True):
+        quiet_libraries()
+    if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
+        parser.error(f"--threads: must be >= 1 (got {args.torch_threads})")
+    advising_flags = ADVISE_FLAGS.set(True)  # what a message says to do, it says in this command's flags
+    try:
+        return args.run(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"teamrl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
+        print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
+        return getattr(err, "exit_code", 128 + signal.SIGINT)
+    except BrokenPipeError:  # `teamrl presets | head`: the reader has all it wanted
+        # Python would report the pipe again when it flushes stdout at exit: point stdout at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    finally:
+        ADVISE_FLAGS.reset(advising_flags)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``teamrl`` parser: a subcommand per :data:`SUBCOMMANDS` entry, each running its own function."""
     parser = argparse.ArgumentParser(prog="teamrl", description="Train teams of LLM agents with MAGRPO and its family.")
     parser.add_argument("--version", action="version", version=f"teamrl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,8 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     runs_models_here.add_argument("--threads", dest="torch_threads", type=int, default=None,
                                   help="torch threads (default: torch's, one per core); on a machine other work "
                                        "keeps busy, fewer run faster")
+    parents = {"loads_models": [loads_models], "runs_models": [loads_models, runs_models_here], "none": []}
+    for add_subcommand in SUBCOMMANDS:
+        add_subcommand(commands, parents)
+    return parser
 
-    train = commands.add_parser("train", parents=[loads_models, runs_models_here], help="train a team", description=(
+
+Parents = dict[str, list[argparse.ArgumentParser]]
+
+
+def _add_train(commands: argparse._SubParsersAction, parents: Parents) -> None:
+    train = commands.add_parser("train", parents=parents["runs_models"], help="train a team", description=(
         "Train a team (MAGRPO, or the algorithm.name given). Fields of the YAML config can be overridden "
         "with key=value, e.g. algorithm.num_generations=8 team.model=bundled. `teamrl config` lists every field. "
         "Ctrl-C (or SIGTERM) stops at the end of the step under way, saves a checkpoint and prints the "
@@ -52,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                               help="continue the run in run_dir from its newest readable checkpoint")
     existing_run.add_argument("--overwrite", action="store_true",
                               help="replace the run in run_dir (its metrics, samples, checkpoints and team)")
+    train.set_defaults(run=_train)
 
-    gen = commands.add_parser("generate", parents=[loads_models, runs_models_here],
+
+def _add_generate(commands: argparse._SubParsersAction, parents: Parents) -> None:
+    gen = commands.add_parser("generate", parents=parents["runs_models"],
                               help="run a saved team on new inputs (decentralised execution)",
                               description="Each agent answers its own prompt, concurrently; the joint output, "
                                           "its joint reward, tokens/s and latency are printed. An input whose "
@@ -64,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--split", default=None, help="instead of inputs, run on this split of the environment")
     gen.add_argument("--limit", type=int, default=4, help="at most this many items from --split or --input-file")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's max_new_tokens")
+    gen.set_defaults(run=_generate)
 
+
+def _add_serve(commands: argparse._SubParsersAction, parents: Parents) -> None:
     serve = commands.add_parser(
-        "serve", parents=[loads_models, runs_models_here],
+        "serve", parents=parents["runs_models"],
         help="serve a saved team on an OpenAI-compatible HTTP API",
         description="Serve a saved team: POST /v1/chat/completions with model TEAM (the agents answer the last user "
                     "message's input, each its own observation, concurrently; the parts joined) or TEAM/AGENT (one "
@@ -97,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--vllm-timeout", type=float, default=300.0,
                        help="seconds to wait for vLLM's answer before a 504 (default: %(default)s)")
     serve.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    serve.set_defaults(run=_serve)
 
-    demo = commands.add_parser("demo", parents=[loads_models, runs_models_here],
+
+def _add_demo(commands: argparse._SubParsersAction, parents: Parents) -> None:
+    demo = commands.add_parser("demo", parents=parents["runs_models"],
                                help="the main job: train a 2-agent team of the bundled model on a CPU",
                                description="Train two SmolLM2-135M-Instruct agents (LoRA on one shared base) with "
                                            "MAGRPO on TL;DR-style two-level summaries of ACL abstracts, offline, and "
@@ -110,37 +163,30 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--eval-seed", type=int, default=0,
                       help="sampling seed of the held-out evaluation (kept apart from the training seed)")
     demo.add_argument("--overwrite", action="store_true", help="replace an earlier run in the demo's run_dir")
+    demo.set_defaults(run=_demo)
 
+
+def _add_eval(commands: argparse._SubParsersAction, parents: Parents) -> None:
     evaluate = commands.add_parser(
-        "eval", parents=[loads_models, runs_models_here],
+        "eval", parents=parents["runs_models"],
         help="compare prompt-only baselines and trained teams on a task",
         description="Run each method on the same items with the same sampling settings and seed, score it with "
-                    "the environment's joint reward, and write results.md/.csv/.json, PNG plots and report.html. "
-                    "Methods: single (one model does the whole job), single:MODEL (another model), concat (the "
-                    "untrained agents in parallel, outputs joined), sequential (agent 2 sees agent 1's output), "
-                    "discussion (each agent revises after seeing the others' first answers), team:PATH (a saved "
-                    "team, decentralised).")
+                    "the environment's joint reward, and write results.md/.csv/.json, PNG plots and report.html.")
     evaluate.add_argument("target", metavar="ENV_OR_CONFIG",
                           help="an environment's name (see `teamrl envs`), a YAML config file or a preset's name")
     evaluate.add_argument("overrides", nargs="*", help="field=value overrides of the config, e.g. "
                                                        "team.sampling.max_new_tokens=64")
-    evaluate.add_argument("--methods", default="single,concat,sequential,discussion",
-                          help="comma-separated methods (default: %(default)s)")
+    add_flags(evaluate, EvalSettings)
     evaluate.add_argument("--model", default=None, help="base model of every agent (sets team.model), e.g. bundled")
-    evaluate.add_argument("--split", default="eval", help="the environment's split (default: %(default)s)")
-    evaluate.add_argument("--max-items", type=int, default=None, help="at most this many items (default: all)")
-    evaluate.add_argument("--num-samples", type=int, default=1, help="n: joint actions per item (default: 1)")
-    evaluate.add_argument("--k", default="1", help="comma-separated k of pass@k and accuracy@k, each <= n "
-                                                   "(default: %(default)s)")
     evaluate.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval of the config)")
     evaluate.add_argument("--run-dir", default=None, help="a training run directory: adds its reward curve "
                                                           "(metrics.jsonl) to the report")
-    evaluate.add_argument("--team-sampling", choices=("saved", "config"), default="saved",
-                          help="sampling settings of team:PATH methods: each saved team's own (default), or the "
-                               "config's, as the baselines use")
+    evaluate.set_defaults(run=_eval)
 
+
+def _add_compare(commands: argparse._SubParsersAction, parents: Parents) -> None:
     compare = commands.add_parser(
-        "compare", parents=[loads_models], help="train several algorithms on one task under one budget",
+        "compare", parents=parents["loads_models"], help="train several algorithms on one task under one budget",
         description="Train every algorithm (or config variant) on the same task, items, reward and seeds for the "
                     "same training minutes or steps, scoring held-out joint return at step 0, on a schedule and "
                     "at the end on the same draws. Writes results.md/.csv/.json, curve.png (return against "
@@ -154,35 +200,27 @@ def main(argv: list[str] | None = None) -> int:
                               "contender each, or all")
     compare.add_argument("--variant", action="append", default=[],
                          help="a contender of config overrides, 'NAME: field=value ...' (repeatable)")
-    compare.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated (default: %(default)s)")
-    compare.add_argument("--minutes", type=float, default=0.0,
-                         help="training minutes per run, evaluation not counted (0: no limit)")
-    compare.add_argument("--steps", type=int, default=0,
-                         help="training steps per run, replacing the config's steps (0: keep them); a --minutes "
-                              "budget ends a run early but never trains past them")
-    compare.add_argument("--eval-every-minutes", type=float, default=0.0,
-                         help="evaluate every M training minutes (0: off)")
-    compare.add_argument("--eval-every-steps", type=int, default=0, help="evaluate every N steps (0: off)")
-    compare.add_argument("--eval-items", type=int, default=32, help="held-out items per evaluation")
-    compare.add_argument("--eval-samples", type=int, default=2, help="joint actions sampled per held-out item")
-    compare.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
-    compare.add_argument("--parallel", type=int, default=1,
-                         help="runs at a time (their minutes are then not a lone run's: see --help's docs)")
-    compare.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
+    add_flags(compare, CompareSettings)
     compare.add_argument("--out", default=None, help="output folder (default: runs/compare-ENV_OR_CONFIG)")
     compare.add_argument("--report-only", action="store_true",
                          help="train nothing: write the report of the runs OUT/results.json holds so far, each "
                               "contender with the seeds it has (of --algorithms/--variant if given, else all)")
+    compare.set_defaults(run=_compare)
 
+
+def _add_plot(commands: argparse._SubParsersAction, parents: Parents) -> None:
     plot = commands.add_parser(
         "plot", help="draw a training run's reward curve",
         description="Plot a run's training joint reward per step (metrics.jsonl) and its held-out evaluations "
                     "(eval.jsonl, when the run has them) to a PNG; a run in progress shows its steps so far.")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a teamrl train run")
     plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png)")
+    plot.set_defaults(run=_plot)
 
+
+def _add_export(commands: argparse._SubParsersAction, parents: Parents) -> None:
     export = commands.add_parser(
-        "export", parents=[loads_models],
+        "export", parents=parents["loads_models"],
         help="export a saved team for plain transformers/peft, with model cards",
         description="Write per agent a folder plain transformers/peft load without teamrl (a Hugging Face repo: "
                     "README.md model card, weights, tokenizer, generation_config.json with its sampling settings), "
@@ -197,81 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="--format peft: what each adapter's base_model_name_or_path says, exactly (a hub id or "
                              "path where the base will be); default: OUT/base's absolute path")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+    export.set_defaults(run=_export)
 
-    commands.add_parser("config", help="list every config field with its default and meaning")
-    commands.add_parser("envs", help="list the registered environments")
-    commands.add_parser("presets", help="list the configs shipped with teamrl")
 
-    args, extra = parser.parse_known_args(argv)
-    if extra and hasattr(args, "overrides") and all("=" in arg and not arg.startswith("-") for arg in extra):
-        args.overrides += extra  # overrides after an option: argparse leaves positionals there unparsed
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if not getattr(args, "verbose", True):
-        quiet_libraries()
-    if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
-        parser.error(f"--threads: must be >= 1 (got {args.torch_threads})")
-    advising_flags = ADVISE_FLAGS.set(True)  # what a message says to do, it says in this command's flags
-    try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "eval":
-            return _eval(args)
-        if args.command == "compare":
-            return _compare(args)
-        if args.command == "plot":
-            from teamrl.evaluation.plots import plot_run
-
-            print(f"reward curve: {plot_run(args.run_dir, args.out)}")
-            return 0
-        if args.command == "export":
-            return _export(args)
-        if args.command == "demo":
-            from teamrl.demo import run_demo
-
-            use_threads(args.torch_threads)
-            return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples,
-                            eval_seed=args.eval_seed, overwrite=args.overwrite)
-        if args.command == "config":
-            for name, default, help_text in describe_fields():
-                print(f"{name} = {default}")
-                print(textwrap.indent(textwrap.fill(help_text, 96), "    "))
-            return 0
-        if args.command == "presets":
-            from teamrl.config import preset_summary, presets
-
-            width = max(map(len, presets())) + 2
-            for name in presets():
-                print(textwrap.fill(preset_summary(name), 110, initial_indent=f"{name:{width}}",
-                                    subsequent_indent=" " * width, break_on_hyphens=False))
-            return 0
-        if args.command == "envs":
-            from teamrl.envs import ENVIRONMENTS
-            from teamrl.imports import ENVIRONMENT_GROUP, entry_point, entry_point_names
-
-            installed = {name: entry_point(ENVIRONMENT_GROUP, name) for name in entry_point_names(ENVIRONMENT_GROUP)}
-            for name, factory in sorted({**ENVIRONMENTS, **installed}.items()):
-                summary = (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else ""
-                print(f"{name:16s} {summary}")
-            print("Your own: env.name=module:Class (docs/environments.md)")
-            return 0
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"teamrl: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
-        print(f"teamrl: {str(err) or 'interrupted'}", file=sys.stderr)
-        return getattr(err, "exit_code", 128 + signal.SIGINT)
-    except BrokenPipeError:  # `teamrl presets | head`: the reader has all it wanted
-        # Python would report the pipe again when it flushes stdout at exit: point stdout at nothing first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
-    finally:
-        ADVISE_FLAGS.reset(advising_flags)
-    return 1
+def _add_listings(commands: argparse._SubParsersAction, parents: Parents) -> None:
+    commands.add_parser("config", help="list every config field with its default and meaning").set_defaults(run=_config)
+    commands.add_parser("envs", help="list the registered environments").set_defaults(run=_envs)
+    commands.add_parser("presets", help="list the configs shipped with teamrl").set_defaults(run=_presets)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -321,15 +291,7 @@ def _compare(args: argparse.Namespace) -> int:
         return _print_report(finished_runs(out, [contender.name for contender in contenders]), out)
     if not contenders:
         raise ValueError("give --algorithms NAME,NAME... or --variant 'NAME: field=value ...' (or both)")
-    try:
-        seeds = tuple(int(seed) for seed in args.seeds.split(","))
-    except ValueError:
-        raise ValueError(f"--seeds: comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})") from None
-    settings = CompareSettings(
-        config=config, overrides=(*task, *args.overrides), seeds=seeds, minutes=args.minutes, steps=args.steps,
-        eval_every_steps=args.eval_every_steps, eval_every_minutes=args.eval_every_minutes,
-        eval_items=args.eval_items, eval_samples=args.eval_samples, eval_seed=args.eval_seed,
-        parallel=args.parallel, threads=args.threads)
+    settings = from_flags(CompareSettings, args, config=config, overrides=(*task, *args.overrides))
     check_contenders(settings, contenders)
     try:
         runs = run_all(settings, contenders, out)
@@ -337,6 +299,50 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"teamrl: error: {err}", file=sys.stderr)
         return 1
     return _print_report(runs, out)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from teamrl.evaluation.plots import plot_run
+
+    print(f"reward curve: {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from teamrl.demo import run_demo
+
+    use_threads(args.torch_threads)
+    return run_demo(args.config, args.overrides, eval_items=args.eval_items, eval_samples=args.eval_samples,
+                    eval_seed=args.eval_seed, overwrite=args.overwrite)
+
+
+def _config(args: argparse.Namespace) -> int:
+    for name, default, help_text in describe_fields():
+        print(f"{name} = {default}")
+        print(textwrap.indent(textwrap.fill(help_text, 96), "    "))
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from teamrl.config import preset_summary, presets
+
+    width = max(map(len, presets())) + 2
+    for name in presets():
+        print(textwrap.fill(preset_summary(name), 110, initial_indent=f"{name:{width}}",
+                            subsequent_indent=" " * width, break_on_hyphens=False))
+    return 0
+
+
+def _envs(args: argparse.Namespace) -> int:
+    from teamrl.envs import ENVIRONMENTS
+    from teamrl.imports import ENVIRONMENT_GROUP, entry_point, entry_point_names
+
+    installed = {name: entry_point(ENVIRONMENT_GROUP, name) for name in entry_point_names(ENVIRONMENT_GROUP)}
+    for name, factory in sorted({**ENVIRONMENTS, **installed}.items()):
+        summary = (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else ""
+        print(f"{name:16s} {summary}")
+    print("Your own: env.name=module:Class (docs/environments.md)")
+    return 0
 
 
 def _print_report(runs: dict, out: Path) -> int:
@@ -360,10 +366,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from teamrl.evaluation.report import markdown_results, read_history, write_report
-    from teamrl.evaluation.runner import EvalSettings, eval_config, parse_ks, parse_methods, run_evaluation
+    from teamrl.evaluation.runner import eval_config, run_evaluation
 
-    settings = EvalSettings(tuple(parse_methods(args.methods)), args.split, args.max_items, args.num_samples,
-                            parse_ks(args.k), args.team_sampling)
+    settings = from_flags(EvalSettings, args)
     config = eval_config(args.target, args.overrides, args.model)
     history = read_history(args.run_dir) if args.run_dir else None
     use_threads(args.torch_threads)
@@ -451,6 +456,11 @@ def _observations(env: Environment, env_name: str, items: list[Item], source: st
                 "those fields") if source == "--text" else "give every item those fields"
         raise ValueError(f"{source}: {env_name} needs items with the field {err} (its own items have: {fields}); "
                          f"{hint}") from None
+
+
+#: Every subcommand, in ``teamrl --help``'s order: each adds its parser and the function that runs it.
+SUBCOMMANDS = (_add_train, _add_generate, _add_serve, _add_demo, _add_eval, _add_compare, _add_plot, _add_export,
+               _add_listings)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,5 @@ ADVANTAGES: Registry[Callable] = Registry("advantage estimator", "algorithm.adva
 AGGREGATIONS: Registry[Callable] = Registry("log-prob aggregation", "algorithm.logprob_aggregation",
                                             modules=("teamrl.algorithms.losses",))
 """``algorithm.logprob_aggregation``: how a completion's token losses add up (``register_aggregation``)."""
+BASELINES: Registry[Callable] = Registry("baseline", "--methods", modules=("teamrl.evaluation.baselines",))
+"""``teamrl eval --methods``: the prompt-only team baselines (``register_baseline``)."""

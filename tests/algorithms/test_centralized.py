@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from teamrl.envs import make_env
-from teamrl.evaluation.runner import EvalSettings, parse_methods, run_evaluation
+from teamrl.evaluation.methods import EvalSettings, parse_methods
+from teamrl.evaluation.runner import run_evaluation
 from teamrl.train import Trainer
 
 CENTRAL_TEAM = {"agents": [{"name": "central"}], "sampling": {"max_new_tokens": 8}}  # both rows of 4 digits

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from teamrl.config import TrainConfig, config_from_dict
-from teamrl.evaluation.runner import EvalResults, EvalSettings, parse_methods, run_evaluation
+from teamrl.evaluation.methods import EvalSettings, parse_methods
+from teamrl.evaluation.runner import EvalResults, run_evaluation
 from teamrl.train import Trainer
 
 

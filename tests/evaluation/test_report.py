@@ -14,6 +14,7 @@ from teamrl.envs import make_env
 from teamrl.envs.code_schemes import SCHEMES
 from teamrl.evaluation.baselines import Episode, MethodOutput
 from teamrl.evaluation.heldout import method_metrics
+from teamrl.evaluation.methods import Method
 from teamrl.evaluation.report import (
     REPORT_ITEMS,
     main_columns,
@@ -24,7 +25,7 @@ from teamrl.evaluation.report import (
     versus_rows,
     write_report,
 )
-from teamrl.evaluation.runner import EvalResults, Method, MethodResult
+from teamrl.evaluation.runner import EvalResults, MethodResult
 from teamrl.rewards.base import RewardResult
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from teamrl.envs import make_env
-from teamrl.evaluation.runner import EvalSettings, Method, parse_ks, parse_methods
+from teamrl.evaluation.methods import EvalSettings, Method, parse_ks, parse_methods
 
 
 def test_method_specs_parse_into_baselines_models_and_saved_teams(tiny_eval):

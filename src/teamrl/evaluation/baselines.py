@@ -35,7 +35,7 @@ from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.inference import TeamOutput, run_team
-from teamrl.registry import Registry
+from teamrl.registry import BASELINES
 from teamrl.team import Team
 
 T = TypeVar("T")
@@ -71,7 +71,6 @@ class MethodOutput:
 
 
 Baseline = Callable[[Environment, Team, Sequence[Item], int], MethodOutput]
-BASELINES: Registry[Baseline] = Registry("baseline", "--methods")
 register_baseline = BASELINES.register
 """``@register_baseline(name)``: make a baseline selectable by name in ``teamrl eval --methods``."""
 

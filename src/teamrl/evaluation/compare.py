@@ -47,6 +47,7 @@ from typing import Any
 
 from teamrl.algorithms.base import ALGORITHMS
 from teamrl.config import TrainConfig, load_config
+from teamrl.flags import option
 from teamrl.registry import RegistryError
 
 RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
@@ -102,34 +103,36 @@ def parse_variant(text: str) -> Contender:
     return Contender(name, tuple(shlex.split(overrides)))
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds``: comma-separated integers (``"0,1,2"``)."""
+    try:
+        return tuple(int(seed) for seed in text.split(","))
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, e.g. 0,1,2 (got {text!r})") from None
+
+
 @dataclass(frozen=True)
 class CompareSettings:
-    """What every run of a comparison shares (``teamrl compare --help`` says each)."""
+    """What every run of a comparison shares; each field with a flag is one of ``teamrl compare``'s."""
 
     config: str | None
     """Config file or preset; None: the defaults (with ``overrides`` naming the task)."""
     overrides: tuple[str, ...] = ()
     """Config overrides of every contender, applied before the contender's own."""
-    seeds: tuple[int, ...] = (0, 1, 2)
-    minutes: float = 0.0
-    """Training minutes per run (0: no limit)."""
-    steps: int = 0
-    """Training steps per run, replacing the config's ``steps`` (0: keep them). A minute budget ends a run
-    early; it never trains past these steps (learning-rate schedules are laid out over them)."""
-    eval_every_steps: int = 0
-    """Evaluate every N training steps (0: off)."""
-    eval_every_minutes: float = 0.0
-    """Evaluate every M training minutes (0: off); with neither, only at step 0 and at the end."""
-    eval_items: int = 32
-    """Held-out items per evaluation (the split's first ones)."""
-    eval_samples: int = 2
-    """Joint actions sampled per held-out item."""
-    eval_seed: int = 0
-    """Sampling seed of every evaluation, apart from the training seed: every run is scored on the same draws."""
-    parallel: int = 1
-    """Runs at a time (their minutes are then not a lone run's)."""
-    threads: int = 0
-    """torch threads per run (0: torch's default)."""
+    seeds: tuple[int, ...] = option("training seeds, comma-separated (default: %(default)s)", "0,1,2",
+                                    parse=parse_seeds)
+    minutes: float = option("training minutes per run, evaluation not counted (0: no limit)", 0.0)
+    steps: int = option("training steps per run, replacing the config's steps (0: keep them); a --minutes budget "
+                        "ends a run early but never trains past them (learning-rate schedules are laid out over "
+                        "them)", 0)
+    eval_every_minutes: float = option("evaluate every M training minutes (0: off)", 0.0)
+    eval_every_steps: int = option("evaluate every N steps (0: off); with neither, only at step 0 and at the end", 0)
+    eval_items: int = option("held-out items per evaluation (the split's first ones)", 32)
+    eval_samples: int = option("joint actions sampled per held-out item", 2)
+    eval_seed: int = option("sampling seed of every held-out evaluation, apart from the training seed: every run is "
+                            "scored on the same draws", 0)
+    parallel: int = option("runs at a time (their minutes are then not a lone run's: see --help's docs)", 1)
+    threads: int = option("torch threads per run (0: torch's default)", 0)
 
     def __post_init__(self) -> None:
         for name in ("minutes", "steps", "eval_every_steps", "eval_every_minutes", "threads"):
