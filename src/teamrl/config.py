@@ -251,7 +251,7 @@ class AlgorithmConfig:
         "empty = the algorithm's own (docs/algorithm.md).", None,
     )
     normalize_advantages: Literal["none", "agent"] = _doc(
-        "'agent': divide each agent's advantages by its own std over the step (docs/algorithm.md#options); "
+        "'agent': divide each agent's advantages by their root mean square over the step (docs/algorithm.md#options); "
         "'none': as the estimator gives them.", "none"
     )
     logprob_aggregation: str = _doc(
@@ -304,6 +304,9 @@ class AlgorithmConfig:
         require(self.num_generations >= 2, f"{path}.num_generations",
                 "must be >= 2: a group-relative advantage needs at least two samples", self.num_generations)
         require(self.num_turns >= 1, f"{path}.num_turns", "must be >= 1", self.num_turns)
+        require(self.max_joint_actions is None or self.joint_mode == "cross", f"{path}.max_joint_actions",
+                "caps cross mode's G^n joint actions; aligned mode has G of them: leave it empty or set "
+                f"{path}.joint_mode='cross'", self.max_joint_actions)
         require(self.max_joint_actions is None or (isinstance(self.max_joint_actions, int)
                                                   and self.max_joint_actions >= self.num_generations),
                 f"{path}.max_joint_actions", f"must be empty or an int >= num_generations ({self.num_generations}): "
@@ -541,7 +544,13 @@ class TrainConfig:
         self.checkpoint.validate("checkpoint")
         self.rollout.validate("rollout")
         self.distributed.validate("distributed")
-        check_algorithm = getattr(ALGORITHMS.lookup(self.algorithm.name), "check_config", None)
+        algorithm_class = ALGORITHMS.lookup(self.algorithm.name)
+        for name in getattr(algorithm_class, "ignores", ()):  # set, but the algorithm would never read it
+            default = field_default(AlgorithmConfig, name)
+            require(getattr(self.algorithm, name) == default, f"algorithm.{name}",
+                    f"algorithm.name={self.algorithm.name!r} does not use it; leave it out (its default: {default!r})",
+                    getattr(self.algorithm, name))
+        check_algorithm = getattr(algorithm_class, "check_config", None)
         if check_algorithm is not None:  # what the algorithm itself cannot run with
             check_algorithm(self)
         if self.distributed.backend == "ray":
@@ -780,6 +789,12 @@ def require(ok: bool, where: str, rule: str, value: Any) -> None:
     config value reads (algorithms' ``check_config`` use it too)."""
     if not ok:
         raise ConfigError(f"{where}: {rule} (got {value!r})")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of config class ``cls`` (a fresh one where it is made by a factory)."""
+    found = cls.__dataclass_fields__[name]
+    return found.default if found.default is not dataclasses.MISSING else found.default_factory()
 
 
 def require_registered(registry: Any, name: str, where: str) -> None:

@@ -65,15 +65,44 @@ def test_sampled_designs_are_unbiased_for_the_full_cross_advantages(mode):
     assert torch.allclose(total / draws, exact, atol=0.02), (total / draws, exact)
 
 
-def test_per_agent_normalisation_divides_by_each_agents_own_std_over_the_step():
-    # agent 0: [1, -1] and [2, -2] over two turns: population std of (1, -1, 2, -2) = sqrt(2.5)
-    # agent 1: [0.5, -0.5] and [0, 0]: population std of (0.5, -0.5, 0, 0) = sqrt(0.125)
+def test_per_agent_normalisation_divides_by_each_agents_own_root_mean_square_over_the_step():
+    # agent 0: [1, -1] and [2, -2] over two turns: root mean square of (1, -1, 2, -2) = sqrt(2.5)
+    # agent 1: [0.5, -0.5] and [0, 0]: root mean square of (0.5, -0.5, 0, 0) = sqrt(0.125)
     per_agent = [[torch.tensor([1.0, -1.0]), torch.tensor([2.0, -2.0])],
                  [torch.tensor([0.5, -0.5]), torch.tensor([0.0, 0.0])]]
-    scaled = normalize_per_agent(per_agent, eps=0.0)
+    scaled = normalize_per_agent(per_agent, floor=0.0)
     assert torch.allclose(scaled[0][1], torch.tensor([2.0, -2.0]) / 2.5**0.5)
     assert torch.allclose(scaled[1][0], torch.tensor([0.5, -0.5]) / 0.125**0.5)
-    assert torch.allclose(torch.cat(scaled[1]).std(unbiased=False), torch.tensor(1.0))
+    assert torch.allclose(torch.cat(scaled[1]).pow(2).mean(), torch.tensor(1.0))
+
+
+def test_per_agent_normalisation_keeps_advantages_without_a_baseline_at_their_size():
+    # 'none' gives each sample its raw return: constant rewards of 0.5 have no spread at all. Divided by a
+    # spread (+1e-4) they became 5,000 each; by their root mean square they are 1.
+    constant = [[torch.full((4,), 0.5), torch.full((4,), 0.5)]]
+    assert torch.equal(normalize_per_agent(constant)[0][0], torch.ones(4))
+    silent = [[torch.zeros(4), torch.full((4,), 1e-9)]]  # a step that gives nothing to learn stays near zero
+    assert normalize_per_agent(silent)[0][1].abs().max() < 1e-4
+
+
+def test_per_agent_normalisation_is_what_the_option_does_end_to_end():
+    # A hand-built one-turn tree, 2 agents, G = 2, cross mode (4 joint actions): agent 1's samples barely move the
+    # joint reward, so its raw advantages are tiny; with normalize_advantages: agent both agents' are of size 1.
+    from teamrl.algorithms.magrpo import advantages
+    from teamrl.config import AlgorithmConfig
+    from teamrl.rollout.tree import RolloutTree, Turn
+
+    combos = joint_action_combos(2, 2, "cross")  # (0,0), (0,1), (1,0), (1,1)
+    rewards = torch.tensor([[[1.0], [1.01], [0.0], [0.01]]])  # agent 0's choice: 1.0 apart; agent 1's: 0.01
+    turn = Turn(torch.tensor([0]), [{}], [()], [["", ""]], [], combos, [], rewards,
+                torch.zeros(1, 4, dtype=torch.bool))
+    raw, _ = advantages(RolloutTree([turn]), 2, AlgorithmConfig(num_generations=2, joint_mode="cross"))
+    scaled, _ = advantages(RolloutTree([turn]), 2, AlgorithmConfig(num_generations=2, joint_mode="cross",
+                                                                   normalize_advantages="agent"))
+    assert torch.allclose(raw[0][0], torch.tensor([0.5, -0.5]))
+    assert torch.allclose(raw[1][0], torch.tensor([-0.005, 0.005]))
+    assert torch.allclose(scaled[0][0], torch.tensor([1.0, -1.0]))
+    assert torch.allclose(scaled[1][0], torch.tensor([-1.0, 1.0]))
 
 
 def test_the_new_fields_are_validated_by_name(tiny_config):

@@ -130,3 +130,26 @@ def test_properties_given_at_registration_are_read_back():
 
     assert ALGORITHMS.properties("marloo") == {"advantage": "rloo"}
     assert ALGORITHMS.properties("madpo") == {"uses_reference": True}
+
+
+@pytest.mark.parametrize(("algorithm", "message"), [
+    ({"name": "iac", "normalize_advantages": "agent"},
+     r"algorithm\.normalize_advantages: algorithm\.name='iac' does not use it; leave it out \(its default: 'none'\)"),
+    ({"name": "maac", "advantage": "std"}, r"algorithm\.advantage: algorithm\.name='maac' does not use it"),
+    ({"name": "madpo", "normalize_advantages": "agent"}, r"algorithm\.normalize_advantages: .*'madpo' does not"),
+    ({"name": "magrpo", "critic": {"lr": 0.01}}, r"algorithm\.critic: algorithm\.name='magrpo' does not use it"),
+    ({"name": "marlhf", "dpo": {"beta": 0.5}}, r"algorithm\.dpo: algorithm\.name='marlhf' does not use it"),
+    ({"joint_mode": "aligned", "max_joint_actions": 16},
+     r"algorithm\.max_joint_actions: caps cross mode's G\^n joint actions; aligned mode has G of them"),
+])
+def test_a_setting_the_algorithm_or_mode_would_ignore_is_refused_at_load(tiny_config, algorithm, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        tiny_config(algorithm=algorithm)
+    assert "\n" not in str(err.value)
+
+
+def test_the_settings_an_algorithm_reads_still_load(tiny_config):
+    tiny_config(algorithm={"name": "iac", "critic": {"lr": 0.01}})
+    tiny_config(algorithm={"name": "magrpo", "normalize_advantages": "agent", "advantage": "none"})
+    tiny_config(algorithm={"name": "madpo", "dpo": {"beta": 0.5}, "preference": {"pairs": "all"}})
+    tiny_config(algorithm={"joint_mode": "cross", "max_joint_actions": 16, "num_generations": 4})

@@ -20,8 +20,9 @@ from teamrl.run_dir import checkpoint_step, complete_checkpoints
 
 def test_every_algorithm_is_a_contender_whose_config_loads_on_a_two_agent_task(tiny_config_data, tmp_path):
     config = tmp_path / "tiny.yaml"
-    # A config that names MAGRPO's estimator, as the presets do: the fixed-estimator algorithms must not clash.
-    config.write_text(yaml.safe_dump(tiny_config_data(algorithm={"advantage": "std"})))
+    # A config that names MAGRPO's estimator, as the presets do, and scales it per agent: the fixed-estimator
+    # algorithms must not clash with the first, nor the critics and MADPO (which read neither) with either.
+    config.write_text(yaml.safe_dump(tiny_config_data(algorithm={"advantage": "std", "normalize_advantages": "agent"})))
     task = load_config(str(config), ["team.agents=[{name: a}, {name: b, sampling: {max_new_tokens: 6}}]"])
     contenders = compare.parse_algorithms("all", task)
     assert [c.name for c in contenders][:4] == ["magrpo", "mareinforce", "marloo", "maremax"]
@@ -31,6 +32,8 @@ def test_every_algorithm_is_a_contender_whose_config_loads_on_a_two_agent_task(t
     assert all(loaded[name].algorithm.name == name for name in ALGORITHMS)
     assert loaded["maremax"].algorithm.advantage_estimator == "max"
     assert loaded["magrpo"].algorithm.advantage_estimator == "std"
+    assert (loaded["iac"].algorithm.advantage, loaded["iac"].algorithm.normalize_advantages) == (None, "none")
+    assert loaded["magrpo"].algorithm.normalize_advantages == "agent"
     # the one policy writes both parts: the team's token budget, 4 (the tiny config's) + 6
     assert [(agent.name, agent.sampling) for agent in loaded["centralized"].team.agents] == [
         ("central", {"max_new_tokens": 10})]
@@ -252,7 +255,7 @@ def test_the_command_line_compares_and_writes_the_report(tiny_config_data, tmp_p
     assert "| maremax | 1 |" in capsys.readouterr().out
     spec = json.loads((out / "results.json").read_text())["maremax-seed3"]["spec"]
     assert spec["overrides"] == ["items_per_step=2"] and spec["steps"] == 1 and spec["seed"] == 3
-    assert spec["contender_overrides"] == ["algorithm.name=maremax", "algorithm.advantage=null"]
+    assert spec["contender_overrides"] == ["algorithm.name=maremax"]  # nothing it does not read is set
     assert json.loads((out / "results.json").read_text())["maremax-seed3"]["machine"].endswith(
         "cores, torch " + torch.__version__ + " on 1 thread(s)")
     assert all((out / name).is_file() for name in ("results.md", "results.csv", "curve.png", "report.html"))

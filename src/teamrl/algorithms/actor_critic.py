@@ -98,6 +98,9 @@ class ActorCritic:
     (:class:`IAC`) decides which critics there are and what each reads."""
 
     centralised: ClassVar[bool]
+    #: A critic's advantages replace the group's: the group estimator and its scaling (the critic whitens per
+    #: agent: critic.normalize_advantages), and the preference algorithms' settings, are refused when set.
+    ignores: ClassVar[tuple[str, ...]] = ("advantage", "normalize_advantages", "preference", "dpo", "reward_model")
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm

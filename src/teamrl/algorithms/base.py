@@ -84,6 +84,11 @@ class Algorithm(Protocol):
         """Resume from :meth:`states`' entries, read from checkpoint ``source``."""
         ...
 
+    #: The ``algorithm.*`` settings this algorithm does not read (other algorithms' sections, an estimator it has no
+    #: use for): a config that sets one to anything but its default is refused at load, naming it, rather than
+    #: silently running without it. Optional; empty when absent.
+    ignores: tuple[str, ...]
+
 
 class TrainsTheAgentsOnly:
     """:meth:`Algorithm.states` and :meth:`Algorithm.load_states` of an algorithm that trains the agents and

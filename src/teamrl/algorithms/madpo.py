@@ -56,6 +56,10 @@ class MADPO(TrainsTheAgentsOnly):
     """The learning half of a MADPO step (:class:`~teamrl.algorithms.base.Algorithm`): preference pairs of the
     rollout's joint actions, then every agent's DPO update through its backend."""
 
+    #: DPO's loss on pairs replaces advantages: an estimator, its scaling and the critic's and reward model's
+    #: settings are refused when set.
+    ignores = ("advantage", "normalize_advantages", "critic", "reward_model")
+
     @staticmethod
     def check_config(config: TrainConfig) -> None:
         """What MADPO cannot run with (called when a config loads)."""

@@ -54,6 +54,9 @@ class MAGRPO(TrainsTheAgentsOnly):
     estimator the name fixes (registered with it: raw return, leave-one-out mean, best of the others), as
     ``config.advantage_estimator`` resolves it."""
 
+    #: The settings of other algorithms, refused at load when set (:class:`~teamrl.algorithms.base.Algorithm`).
+    ignores = ("critic", "preference", "dpo", "reward_model")
+
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm
 

@@ -113,6 +113,9 @@ class MARLHF:
     """The learning half of a MARLHF step (:class:`~teamrl.algorithms.base.Algorithm`): the reward model's
     training on the step's preferences, then MAGRPO on its rewards (see the module's docstring)."""
 
+    #: MAGRPO on a learned reward: the critic's and DPO's settings are refused when set.
+    ignores = ("critic", "dpo")
+
     @staticmethod
     def check_config(config: TrainConfig) -> None:
         """What MARLHF cannot run with (called when a config loads)."""
