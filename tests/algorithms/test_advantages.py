@@ -21,6 +21,7 @@ from teamrl.algorithms.advantages import (
     leave_one_out,
     mean_baseline,
     no_baseline,
+    rollout_metrics,
     sample_advantages,
     std_normalised,
     tree_returns,
@@ -28,7 +29,7 @@ from teamrl.algorithms.advantages import (
 from teamrl.config import AlgorithmConfig
 from teamrl.envs import make_env
 from teamrl.rewards.base import RewardResult
-from teamrl.rollout.tree import RolloutTree, Turn, joint_action_combos, rollout_metrics, sample_tree
+from teamrl.rollout.tree import RolloutTree, Turn, joint_action_combos, sample_tree
 
 
 def t(values) -> torch.Tensor:

@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from teamrl.algorithms.advantages import absorbing_factor, agent_advantages, tree_returns
+from teamrl.algorithms.advantages import absorbing_factor, agent_advantages, rollout_metrics, tree_returns
 from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.critic import build_critics
 from teamrl.config import TrainConfig
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import derive_seed, seeded
-from teamrl.rollout.tree import RolloutTree, rollout_metrics
+from teamrl.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
     from teamrl.algorithms.base import AgentBackend

@@ -9,12 +9,16 @@ advantages are (E, G), one per sample it drew at each point (:func:`sample_advan
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from teamrl._deprecated import moved_names
 from teamrl.registry import ADVANTAGES
+
+if TYPE_CHECKING:
+    from teamrl.rollout.tree import RolloutTree
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 register_advantage = ADVANTAGES.register
@@ -184,6 +188,28 @@ def agent_advantages(joint: torch.Tensor, combos: torch.Tensor, agent: int, num_
     """
     membership = F.one_hot(combos[:, agent], num_samples).to(joint.dtype)  # (M, G)
     return joint @ membership / membership.sum(dim=0)
+
+
+def rollout_metrics(tree: RolloutTree, returns: list[torch.Tensor],
+                    agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
+    """Per-turn joint reward and return statistics of a step's rollout ``tree`` (``returns`` as the algorithm
+    computed them, e.g. :func:`~teamrl.algorithms.magrpo.advantages`; early-terminated joint actions valued as
+    absorbing states), how many joint actions early termination stopped, and advantage statistics, for logging."""
+    metrics: dict[str, float] = {}
+    for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
+        joint = torch.tensor([r.total for r in turn.results])
+        metrics[f"reward/turn{t}/mean"] = float(joint.mean())
+        metrics[f"reward/turn{t}/std"] = float(joint.std()) if joint.numel() > 1 else 0.0
+        metrics[f"return/turn{t}/mean"] = float(turn_returns.mean())
+        metrics[f"turn{t}/joint_actions"] = float(joint.numel())
+        metrics[f"turn{t}/terminated"] = float(turn.terminated.sum())
+    every = torch.cat([a for per_turn in agent_advantages_ for a in per_turn])
+    metrics["advantage/mean"] = float(every.mean())
+    metrics["advantage/std"] = float(every.std()) if every.numel() > 1 else 0.0
+    metrics["advantage/abs_mean"] = float(every.abs().mean())
+    metrics["reward/mean"] = metrics["reward/turn1/mean"]
+    metrics["return/mean"] = metrics["return/turn1/mean"]
+    return metrics
 
 
 # The joint-action designs moved to the rollout tree's module (issue #47).

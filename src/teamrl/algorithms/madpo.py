@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from teamrl.algorithms.advantages import rollout_metrics
 from teamrl.algorithms.base import TrainsTheAgentsOnly, register_algorithm
 from teamrl.algorithms.losses import sequence_logprobs
 from teamrl.algorithms.magrpo import advantages
@@ -45,7 +46,7 @@ from teamrl.algorithms.update import UpdateStats
 from teamrl.config import TrainConfig, require
 from teamrl.envs.base import Environment
 from teamrl.rollout.generate import Generation
-from teamrl.rollout.tree import RolloutTree, rollout_metrics
+from teamrl.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
     from teamrl.algorithms.base import AgentBackend

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from teamrl._deprecated import moved_names
-from teamrl.algorithms.advantages import normalize_per_agent, sample_advantages, tree_returns
+from teamrl.algorithms.advantages import normalize_per_agent, rollout_metrics, sample_advantages, tree_returns
 from teamrl.algorithms.base import AgentBackend, TrainsTheAgentsOnly, register_algorithm
 from teamrl.config import AlgorithmConfig, TrainConfig
-from teamrl.rollout.tree import RolloutTree, rollout_metrics
+from teamrl.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
     from teamrl.envs.base import Environment
@@ -90,7 +90,7 @@ def advantages(tree: RolloutTree, num_agents: int,
 __getattr__ = moved_names(__name__, {
     "Turn": "teamrl.rollout.tree:Turn", "Rollout": "teamrl.rollout.tree:RolloutTree",
     "SampleFn": "teamrl.rollout.tree:SampleFn", "rollout": "teamrl.rollout.tree:sample_tree",
-    "rollout_metrics": "teamrl.rollout.tree:rollout_metrics", "team_sampler": "teamrl._deprecated:team_sampler",
+    "team_sampler": "teamrl._deprecated:team_sampler",
     "update_agent": "teamrl.algorithms.update:update_agent", "micro_batches": "teamrl.algorithms.update:micro_batches",
     "clip_gradients": "teamrl.algorithms.update:clip_gradients", "UpdateStats": "teamrl.algorithms.update:UpdateStats",
     "NonFiniteUpdate": "teamrl.algorithms.update:NonFiniteUpdate",

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from teamrl.algorithms.advantages import rollout_metrics
 from teamrl.algorithms.base import register_algorithm
 from teamrl.algorithms.magrpo import MAGRPO, advantages
 from teamrl.algorithms.preferences import bradley_terry_loss, pairwise_accuracy, preference_pairs
@@ -44,7 +45,7 @@ from teamrl.algorithms.update import UpdateStats, clip_gradients, micro_batches
 from teamrl.checkpoint import AgentState
 from teamrl.config import RewardModelConfig, TrainConfig, require
 from teamrl.envs.base import Environment
-from teamrl.rollout.tree import RolloutTree, rollout_metrics
+from teamrl.rollout.tree import RolloutTree
 from teamrl.team import load_base_model
 
 if TYPE_CHECKING:

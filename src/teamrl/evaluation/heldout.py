@@ -188,10 +188,10 @@ def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
                   ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """:func:`score`'s numbers under the names training logs, for :meth:`teamrl.train.Trainer.evaluate`.
 
-    ``reward/mean`` and ``reward/std`` are computed as training's own (:func:`teamrl.rollout.tree.rollout_metrics`:
-    float32, std with Bessel's correction), so a held-out point sits on the reward curve beside them;
-    ``reward/PART`` is ``level/PART`` and ``count/NAME`` stays, both in name order. The records keep the
-    keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).
+    ``reward/mean`` and ``reward/std`` are computed as training's own
+    (:func:`teamrl.algorithms.advantages.rollout_metrics`: float32, std with Bessel's correction), so a held-out
+    point sits on the reward curve beside them; ``reward/PART`` is ``level/PART`` and ``count/NAME`` stays, both in
+    name order. The records keep the keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).
     """
     totals = torch.tensor([record["reward"] for record in records])
     view = {"reward/mean": float(totals.mean()), "reward/std": float(totals.std()) if totals.numel() > 1 else 0.0}

@@ -187,25 +187,3 @@ def _remove_duplicate_rows(design: torch.Tensor, num_samples: int, rng: torch.Ge
         if key_r != key_s and not torch.isin(torch.tensor([key_r, key_s]), others).any():
             design[r], design[s] = new_r, new_s
     raise RuntimeError(f"could not draw {size} distinct balanced joint actions; lower algorithm.max_joint_actions")
-
-
-def rollout_metrics(tree: RolloutTree, returns: list[torch.Tensor],
-                    agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
-    """Per-turn joint reward and return statistics (``returns`` as the algorithm computed them, e.g.
-    :func:`~teamrl.algorithms.magrpo.advantages`; early-terminated joint actions valued as absorbing states), how
-    many joint actions early termination stopped, and advantage statistics, for logging."""
-    metrics: dict[str, float] = {}
-    for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
-        joint = torch.tensor([r.total for r in turn.results])
-        metrics[f"reward/turn{t}/mean"] = float(joint.mean())
-        metrics[f"reward/turn{t}/std"] = float(joint.std()) if joint.numel() > 1 else 0.0
-        metrics[f"return/turn{t}/mean"] = float(turn_returns.mean())
-        metrics[f"turn{t}/joint_actions"] = float(joint.numel())
-        metrics[f"turn{t}/terminated"] = float(turn.terminated.sum())
-    every = torch.cat([a for per_turn in agent_advantages_ for a in per_turn])
-    metrics["advantage/mean"] = float(every.mean())
-    metrics["advantage/std"] = float(every.std()) if every.numel() > 1 else 0.0
-    metrics["advantage/abs_mean"] = float(every.abs().mean())
-    metrics["reward/mean"] = metrics["reward/turn1/mean"]
-    metrics["return/mean"] = metrics["return/turn1/mean"]
-    return metrics
