@@ -10,8 +10,8 @@ One training step for a batch of items:
    observation, and every agent again samples G completions: an aligned tree with G^T leaves.
 2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf of the last turn,
    R = r + gamma * mean(R of the children) at an inner node, and a joint action early termination
-   stopped at turn t is an absorbing state that keeps its reward to the horizon:
-   R = r * sum_{k=0}^{T-t} gamma^k.
+   stopped at turn t is an absorbing state: R = r * sum_{k=0}^{T-t} gamma^k when a turn's reward scores
+   the state the team holds, R = r when it pays the turn's progress (the environment's ``turn_reward``).
 3. Advantages, paper Eq. 1 (:func:`~teamrl.algorithms.advantages.sample_advantages`): over the
    joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
@@ -86,6 +86,11 @@ class Rollout:
     """A step's rollout tree, turn by turn."""
 
     turns: list[Turn] = field(default_factory=list)
+    turn_reward: str = "state"
+    """The environment's :attr:`~teamrl.envs.base.Environment.turn_reward`: what a stopped joint action is worth."""
+    num_turns: int | None = None
+    """T, the horizon stopped joint actions are valued up to (the tree ends earlier when every one stopped);
+    None: the tree's depth."""
 
 
 SampleFn = Callable[[Sequence[list[str]], int, int], list[Generation]]
@@ -112,7 +117,7 @@ def rollout(sample: SampleFn, env: Environment, items: Sequence[Item], config: A
     num_samples, individual = config.num_generations, config.learners == "individual"
     frontier = [(item, ()) for item in items]
     parents = torch.arange(len(items))
-    tree = Rollout()
+    tree = Rollout(turn_reward=env.turn_reward, num_turns=config.num_turns)
     for turn in range(config.num_turns):
         observations = [checked_observations(env, "observe", item, env.observe(item)) if not history
                         else checked_observations(env, "next_observations", item, env.next_observations(item, history))
@@ -183,7 +188,7 @@ def advantages(tree: Rollout, num_agents: int,
                config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per agent and turn, the (E*G,) advantage of each of its completions; and the returns of each turn."""
     returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount,
-                           [t.terminated for t in tree.turns], config.num_turns)
+                           [t.terminated for t in tree.turns], config.num_turns, tree.turn_reward)
     per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
     for turn, turn_returns in zip(tree.turns, returns):
         for i in range(num_agents):
@@ -316,8 +321,14 @@ def rollout_metrics(tree: Rollout, returns: list[torch.Tensor],
                     agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
     """Per-turn joint reward and return statistics (returns as :func:`advantages` computed them, early-terminated
     joint actions valued as absorbing states), how many joint actions early termination stopped, and
-    advantage statistics, for logging."""
+    advantage statistics, for logging; and ``reward/episode/mean``, the undiscounted sum of an episode's joint
+    rewards down the tree (a turn-1 joint action's reward plus the mean of its children's, and so on), the
+    training counterpart of held-out evaluation's ``reward/mean`` over episodes of ``num_turns`` turns."""
     metrics: dict[str, float] = {}
+    joint_rewards = [torch.tensor([r.total for r in turn.results]).view(*turn.rewards.shape[:2], 1)
+                     for turn in tree.turns]
+    episode = tree_returns(joint_rewards, [t.parents for t in tree.turns], 1.0, [t.terminated for t in tree.turns],
+                           tree.num_turns, tree.turn_reward)[0]
     for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
         joint = torch.tensor([r.total for r in turn.results])
         metrics[f"reward/turn{t}/mean"] = float(joint.mean())
@@ -331,4 +342,5 @@ def rollout_metrics(tree: Rollout, returns: list[torch.Tensor],
     metrics["advantage/abs_mean"] = float(every.abs().mean())
     metrics["reward/mean"] = metrics["reward/turn1/mean"]
     metrics["return/mean"] = metrics["return/turn1/mean"]
+    metrics["reward/episode/mean"] = float(episode.mean())
     return metrics
