@@ -48,7 +48,7 @@ def run_demo(config_path: str | None = None, overrides: list[str] | None = None,
         team_dir = trainer.save_team()
 
     print()
-    print(f"Held-out joint reward (max {trainer.env.max_reward:g}): "
+    print(f"Held-out joint reward (max {trainer.env.max_return(config.algorithm.num_turns):g}): "
           f"before {before['reward/mean']:.3f} ± {before['reward/std']:.3f}  ->  "
           f"after {after['reward/mean']:.3f} ± {after['reward/std']:.3f}")
     for label, prefix in (("by level (mean)", "reward/"), ("counts (mean, not reward)", "count/")):

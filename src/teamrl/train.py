@@ -154,9 +154,7 @@ class Trainer:
         """The task as given or configured (:attr:`env` is the algorithm's view of it)."""
         self.env = make_environment(config, self.task)
         self._task_record = task_record(self.task)
-        if config.algorithm.num_turns > (self.env.max_turns or config.algorithm.num_turns):
-            raise ValueError(f"algorithm.num_turns: {type(self.env).__name__} supports at most "
-                             f"{self.env.max_turns} turns (got {config.algorithm.num_turns})")
+        self.env.check_num_turns(config.algorithm.num_turns)  # at most max_turns; a sparse task's paying turn
         self.agents: AgentBackend = make_backend(config, self.env, team)
         """Where the agents live and how they are sampled and updated (:mod:`teamrl.backends`)."""
         self.agent_names = self.agents.names

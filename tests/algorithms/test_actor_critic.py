@@ -47,7 +47,8 @@ def test_gae_over_a_two_turn_tree_by_hand():
                                torch.tensor([0.95, -0.05]))
 
 
-def test_lambda_one_is_the_tree_returns_minus_the_value_on_any_tree():
+@pytest.mark.parametrize("turn_reward", ["state", "increment"])
+def test_lambda_one_is_the_tree_returns_minus_the_value_on_any_tree(turn_reward):
     generator = torch.Generator().manual_seed(0)
     # 3 turns of a horizon of 4, 2 items, G = 3, 2 reward channels; joint action 1 of turn 1 and joint
     # action 2 of turn 2 stopped early (no children), every other one grew an expansion point.
@@ -57,8 +58,8 @@ def test_lambda_one_is_the_tree_returns_minus_the_value_on_any_tree():
     parents = [torch.arange(2), torch.tensor([0, 2, 3, 4, 5]), torch.tensor([i for i in range(15) if i != 2])]
     rewards = [torch.rand(len(p), 3, 2, generator=generator) for p in parents]
     values = [torch.rand(len(p), 2, generator=generator) for p in parents]
-    returns = tree_returns(rewards, parents, 0.8, terminated, num_turns=4)
-    advantages = gae_advantages(rewards, parents, values, 0.8, 1.0, terminated, num_turns=4)
+    returns = tree_returns(rewards, parents, 0.8, terminated, num_turns=4, turn_reward=turn_reward)
+    advantages = gae_advantages(rewards, parents, values, 0.8, 1.0, terminated, num_turns=4, turn_reward=turn_reward)
     for a, r, v in zip(advantages, returns, values):
         torch.testing.assert_close(a, r - v.unsqueeze(1))
 
@@ -72,6 +73,11 @@ def test_a_stopped_joint_action_keeps_its_reward_to_the_horizon():
                                 [torch.tensor([[0.5]]), torch.tensor([[0.8]])], 0.9, 0.5, terminated, num_turns=2)
     # 1 + 0.9 * 0.8 - 0.5 + 0.45 * mean(0.2, -0.8) = 1.085;  1.14 - 0.5 = 0.64.
     torch.testing.assert_close(advantages[0].flatten(), torch.tensor([1.085, 0.64]))
+    # An increment (progress) is earned once: the stop is worth 0.6, 0.6 - 0.5 = 0.1.
+    advantages = gae_advantages(rewards, [torch.tensor([0]), torch.tensor([0])],
+                                [torch.tensor([[0.5]]), torch.tensor([[0.8]])], 0.9, 0.5, terminated, num_turns=2,
+                                turn_reward="increment")
+    torch.testing.assert_close(advantages[0].flatten(), torch.tensor([1.085, 0.1]))
 
 
 def test_value_loss_clipped_and_unclipped_by_hand():

@@ -187,8 +187,29 @@ def test_absorbing_factor_counts_the_reward_once_per_remaining_turn():
     assert absorbing_factor(1, 0.3) == 1.0           # the last turn: the reward itself
     assert absorbing_factor(2, 1.0) == 2.0           # 1 + 1
     assert absorbing_factor(3, 0.5) == 1.75          # 1 + 0.5 + 0.25
+    assert absorbing_factor(3, 0.5, "increment") == 1.0  # progress is paid once; staying adds nothing
     with pytest.raises(ValueError, match="turns_left"):
         absorbing_factor(0, 1.0)
+    with pytest.raises(ValueError, match="turn_reward: 'state' or 'increment'"):
+        absorbing_factor(2, 1.0, "sparse")
+
+
+def test_a_stopped_increment_is_worth_its_progress_never_more_than_finishing():
+    # One item, G = 2, gamma = 1, three turns, shaped progress rewards (increments) that add up to at most 1.
+    # Joint action 0 builds half (0.5) and stops at turn 1; joint action 1 builds half too, then the other half
+    # at turn 2 (0.5 each child), and nothing at turn 3 (the node of turn-2 flat 0 grew; flat 1 stopped at 0.5).
+    turn1 = t([[[0.5], [0.5]]])
+    turn2 = t([[[0.5], [0.5]]])
+    turn3 = t([[[0.0], [0.0]]])
+    stopped = [torch.tensor([[True, False]]), torch.tensor([[False, True]]), torch.zeros(1, 2, dtype=torch.bool)]
+    parents = [torch.arange(1), torch.tensor([1]), torch.tensor([0])]
+    increments = tree_returns([turn1, turn2, turn3], parents, 1.0, stopped, 3, turn_reward="increment")
+    # the half-built stop: 0.5; the finished episode: 0.5 + mean(0.5 + 0, 0.5) = 1.0 (= max_reward)
+    close(increments[0].squeeze(-1), [[0.5, 1.0]])
+    close(increments[1].squeeze(-1), [[0.5, 0.5]])
+    # Read as state values the same numbers repeat: the half-built stop 0.5 * 3 = 1.5, above finishing.
+    states = tree_returns([turn1, turn2, turn3], parents, 1.0, stopped, 3)
+    close(states[0].squeeze(-1), [[1.5, 0.5 + (0.5 + 0.5 * 2) / 2]])
 
 
 def _issue_example():

@@ -85,5 +85,20 @@ def test_individual_rewards_must_give_a_finite_number_per_agent(tiny_config):
 
 
 def test_the_built_in_task_passes_every_check_over_two_turns(tiny_config):
-    tree = _rollout(tiny_config, DigitSumGame(targets=[9], length=4), num_turns=2)
-    assert len(tree.turns) == 2
+    # The checks let a well-behaved task's outputs through unchanged: every expansion point's observations are
+    # the task's own (turn 2: its feedback on the history), every joint action's reward is the task's.
+    env = DigitSumGame(targets=[9], length=4)
+    tree = _rollout(tiny_config, env, num_turns=2)
+    first, second = tree.turns
+    assert first.parents.tolist() == [0, 1] and second.parents.tolist() == [0, 1, 2, 3]  # every joint action grew
+    for turn in tree.turns:
+        for e, (item, history) in enumerate(zip(turn.items, turn.histories)):
+            expected = env.next_observations(item, history) if history else env.observe(item)
+            assert turn.observations[e] == expected
+            for m in range(len(turn.combos)):
+                result = turn.results[e * len(turn.combos) + m]
+                assert result == env.joint_reward(item, turn.joint_action(e, m), history)
+                assert turn.rewards[e, m, 0] == pytest.approx(result.total)
+    assert [len(history) for history in second.histories] == [1] * 4
+    assert [history[0].actions for history in second.histories] == [first.joint_action(e, m) for e in range(2)
+                                                                     for m in range(2)]

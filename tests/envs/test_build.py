@@ -66,6 +66,31 @@ def test_sparse_reward_pays_final_iou_minus_all_waste_at_the_last_turn():
     assert reward.parts == pytest.approx({"iou": 1.0, "waste": -0.1})
     assert reward.total == pytest.approx(0.9)
     assert build.max_reward == 1.0
+    # The individual rewards are sparse too: 0, then each agent's shaped individual rewards summed
+    # (test_shaped_reward_is_iou_change_minus_waste: [2/4, 1/4 - 0.1], then [0, 1/4]).
+    assert build.individual_rewards(ITEM, first) == [0.0, 0.0]
+    assert build.individual_rewards(ITEM, second, [step(build, first)]) == pytest.approx([2 / 4, 2 / 4 - 0.1])
+
+
+def test_sparse_episodes_shorter_than_the_paying_turn_are_refused():
+    build = env(sparse=True, max_turns=3)
+    build.check_num_turns(3)
+    with pytest.raises(ValueError, match=r"^algorithm.num_turns: sparse: true pays only at turn "
+                                         r"env.kwargs.max_turns = 3, so a 2-turn episode earns 0 everywhere"):
+        build.check_num_turns(2)
+    with pytest.raises(ValueError, match="supports at most 3 turns"):
+        build.check_num_turns(4)
+    env(max_turns=3).check_num_turns(2)  # shaped: every turn pays
+
+
+@pytest.mark.parametrize("algorithm, agents", [({"num_turns": 2}, ["first", "second"]),
+                                               ({"name": "centralized", "num_turns": 1}, ["central"])])
+def test_training_refuses_a_sparse_world_that_pays_after_the_last_turn(tiny_config, algorithm, agents):
+    config = tiny_config(env={"name": "build", "kwargs": {"sparse": True, "max_turns": 3, "num_train": 2,
+                                                           "num_eval": 1}},
+                         team={"agents": [{"name": name} for name in agents]}, algorithm=algorithm)
+    with pytest.raises(ValueError, match=r"^algorithm.num_turns: sparse: true pays only at turn env.kwargs.max_turns"):
+        Trainer(config)
 
 
 def test_collision_when_two_builders_fill_one_cell():
@@ -75,10 +100,67 @@ def test_collision_when_two_builders_fill_one_cell():
     assert reward.parts["collisions"] == pytest.approx(-0.1) and reward.parts["rejected"] == 0.0
     assert reward.total == pytest.approx(0.25 - 0.1)
     assert reward.counts["collisions"] == 1.0
-    # Builder 1's block is right but outside its part: no individual credit; builder 2 pays its collision.
-    assert build.individual_rewards(ITEM, actions) == pytest.approx([0.0, -0.1])
+    # Builder 1's block is right but outside its part: no individual credit, and the collision it caused by
+    # building in builder 2's part is charged to it, not to builder 2, who only did its own part.
+    assert build.individual_rewards(ITEM, actions) == pytest.approx([-0.1, 0.0])
     after = build.next_observations(ITEM, [step(build, actions)])
     assert "rejected place 2 0 0 R: collision, builder 1 placed a block there this turn" in after[1]
+
+
+@pytest.mark.parametrize(("roles", "actions", "expected"), [
+    # Builder 2 intrudes on builder 1's cell (0, 0, 0): builder 2, the later one, pays.
+    ("region", ["place 0 0 0 R", "place 0 0 0 R"], [1 / 4, -0.1]),
+    # A cell no one's part holds (not in the target): the later builder, whose command was rejected, pays; the
+    # earlier one pays its off-target block.
+    ("region", ["place 1 1 0 R", "place 1 1 0 G"], [-0.1, -0.1]),
+    # By type (R: builder 1, G: builder 2): builder 1 puts an R where the target has builder 2's G, then builder 2
+    # collides placing that G: builder 1 pays its wrong block and the collision.
+    ("type", ["place 3 1 0 R", "place 3 1 0 G"], [-0.2, 0.0]),
+])
+def test_a_collision_is_charged_to_whoever_built_outside_its_part(roles, actions, expected):
+    build = env(roles=roles)
+    assert build.joint_reward(ITEM, actions).counts["collisions"] == 1.0
+    assert build.individual_rewards(ITEM, actions) == pytest.approx(expected)
+
+
+def test_removing_a_teammates_correct_block_costs_the_remover():
+    # Builder 1 places its own correct block and builder 2 removes it in the same turn, every turn: the team
+    # builds nothing. Builder 1 earns its block each turn, and builder 2 pays for each removal what it earned.
+    build = env(max_turns=4)
+    actions = ["place 0 0 0 R", "remove 0 0 0"]
+    history, returns = [], [0.0, 0.0]
+    for _ in range(4):
+        assert build.individual_rewards(ITEM, actions, history) == pytest.approx([1 / 4, -1 / 4])
+        returns = [total + r for total, r in zip(returns, build.individual_rewards(ITEM, actions, history))]
+        history = [*history, step(build, actions, history)]
+    assert returns == pytest.approx([1.0, -1.0])  # moved between the agents, made by neither: the team built 0
+    assert sum(s.reward.total for s in history) == 0.0
+
+
+def _random_episode(build, rng, turns):
+    """A random episode of ``turns`` turns: its steps and each turn's individual rewards."""
+    pool = [f"{verb} {x} {y} {z}" + (f" {rng.choice('RG')}" if verb == "place" else "")
+            for verb in ("place", "remove") for x in range(4) for y in range(2) for z in range(2)]
+    history, rewards = [], []
+    for _ in range(turns):
+        actions = ["\n".join(rng.choice(pool) for _ in range(rng.randint(0, 4))) for _ in range(2)]
+        rewards.append(build.individual_rewards(ITEM, actions, history))
+        history.append(step(build, actions, history))
+    return history, rewards
+
+
+@pytest.mark.parametrize("roles", ["region", "type"])
+def test_individual_returns_add_up_to_at_most_the_teams_built_share(roles):
+    # Every turn's individual rewards add up to at most (correct blocks placed in their placers' own parts - correct
+    # blocks removed) / target blocks - the turn's waste: over an episode, at most the correct share at the end
+    # minus the episode's waste. Collusion moves credit between agents; it cannot make any.
+    build, rng = env(roles=roles, max_turns=3), random.Random(1)
+    for _ in range(300):
+        steps, rewards = _random_episode(build, rng, 3)
+        world, turns = build.replay(ITEM, steps)
+        correct = sum(world.get(cell) == block for cell, block in BuildEnv.target(ITEM).items())
+        waste = sum(sum(build._waste_cost(records)) for records in turns)
+        assert sum(map(sum, rewards)) <= correct / 4 + waste + 1e-9
 
 
 @pytest.mark.parametrize(("action", "reason"), [
@@ -158,17 +240,62 @@ def test_items_are_deterministic_supported_and_splits_disjoint():
         assert set(target.values()) <= {"R", "G", "B"}
 
 
+def _copied(observations):
+    """Each agent's reply when it copies the lines its observation ends on."""
+    return [obs.split("Copy these lines exactly:\n")[1] if "Copy these" in obs else "" for obs in observations]
+
+
+def _one_pass_in_seat_order(build, target):
+    """(blocks built, blocks rejected as floating) when every seat places its part's blocks once, seat after seat,
+    lower layers first: a block stands when the cell below it is built, by anyone, before it."""
+    built, floating = set(), 0
+    for seat in range(build.num_agents):
+        for x, y, z in sorted((c for c, b in target.items() if build.owner(c, b) == seat), key=lambda c: (c[2], *c)):
+            if z == 0 or (x, y, z - 1) in built:
+                built.add((x, y, z))
+            else:
+                floating += 1
+    return len(built), floating
+
+
 def test_copying_the_prompt_lines_builds_the_target():
+    waited = 0  # type-role items whose first turn left a block floating
     for num_agents, roles in [(2, "region"), (3, "region"), (4, "region"), (3, "type")]:
         build = BuildEnv(num_agents=num_agents, num_types=max(3, num_agents), roles=roles, num_train=5, num_eval=1)
         for item in build.items():
             observations = build.observe(item)
             assert len(observations) == num_agents
-            actions = [obs.split("Copy these lines exactly:\n")[1] if "Copy these" in obs else ""
-                       for obs in observations]
-            # Type roles: a block may rest on a teammate's, so one pass in seat order need not finish.
-            total = build.joint_reward(item, actions).total
-            assert total == pytest.approx(1.0) if roles == "region" else 0 < total <= 1.0
+            total = build.joint_reward(item, _copied(observations)).total
+            if roles == "region":
+                assert total == pytest.approx(1.0)
+                continue
+            # Type roles: a block may rest on a later seat's block, and is then rejected as floating in the first
+            # turn; copying each turn's feedback builds one more layer a turn, so `height` turns finish.
+            target = build.target(item)
+            built, floating = _one_pass_in_seat_order(build, target)
+            assert total == pytest.approx(built / len(target) - build.waste_cost * floating)
+            waited += floating > 0
+            history = []
+            for _ in range(build.size[2]):
+                seen = build.next_observations(item, history) if history else observations
+                history.append(Step(tuple(seen), tuple(_copied(seen)), build.joint_reward(item, _copied(seen),
+                                                                                          history)))
+            assert history[-1].reward.counts["iou"] == 1.0
+            rejected = sum(s.reward.counts["rejected"] for s in history)
+            assert sum(s.reward.total for s in history) == pytest.approx(1.0 - build.waste_cost * rejected)
+    assert waited > 0
+
+
+def test_type_roles_by_hand_a_block_on_a_later_seats_block_waits_a_turn():
+    build = env(roles="type")  # R: builder 1, G: builder 2
+    item = {"id": "typed", "target": [[0, 0, 0, "G"], [0, 0, 1, "R"], [1, 0, 0, "R"]]}
+    first = _copied(build.observe(item))
+    assert first == ["place 1 0 0 R\nplace 0 0 1 R", "place 0 0 0 G"]
+    history = [Step(tuple(build.observe(item)), tuple(first), build.joint_reward(item, first))]
+    assert history[0].reward.total == pytest.approx(2 / 3 - 0.1)  # R on (0, 0, 1) floats: G is not built yet
+    second = _copied(build.next_observations(item, history))
+    assert second == ["place 0 0 1 R", ""]
+    assert build.joint_reward(item, second, history).total == pytest.approx(1 / 3)
 
 
 def test_four_agents_own_one_column_each_and_type_roles():
@@ -291,3 +418,35 @@ def test_with_discount_one_monte_carlo_advantages_are_the_same_shaped_or_sparse(
     assert not all(torch.equal(a, b) for a, b in zip(shaped_returns[1:], sparse_returns[1:]))  # returns differ
     assert torch.allclose(shaped, sparse, atol=1e-6)  # advantages do not
     assert not torch.allclose(run(False, 0.5)[0], run(True, 0.5)[0], atol=1e-6)  # with discounting they do
+
+
+def test_early_termination_values_a_stop_at_what_was_built_never_above_finishing():
+    # Two joint actions of turn 1 (aligned, G = 2), 3 turns, stop at a reward of 0.5. Joint action 0: builder 1
+    # builds its half (0.5) and stops. Joint action 1: builder 1 places one block (0.25); at turn 2 both finish
+    # (+0.75) and stop. The reward is a per-turn increment, so a stop earns nothing after it: the half-built stop
+    # is worth 0.5 and the finished episode 1.0. Repeating the stopped rewards (as for a state value) would value
+    # the half-built stop at 0.5 * 3 = 1.5, above finishing and above max_reward.
+    from teamrl.algorithms.magrpo import advantages, rollout, rollout_metrics
+    from teamrl.config import AlgorithmConfig
+    from teamrl.rollout.generate import Generation
+
+    def sample(observations, num_samples, seed):
+        replies = {(0, True): ["place 0 0 0 R\nplace 0 0 1 G", "place 0 0 0 R"], (1, True): ["", ""],
+                   (0, False): ["place 0 0 1 G"] * 2, (1, False): ["place 2 0 0 R\nplace 3 1 0 G"] * 2}
+        generations = []
+        for seat, seen in enumerate(observations):
+            texts = [text for obs in seen for text in replies[seat, not obs.startswith("Turn")]]
+            ones = torch.ones(len(texts), 1, dtype=torch.long)
+            generations.append(Generation(ones, ones, ones, ones, torch.zeros(len(texts), 1), texts))
+        return generations
+
+    build = env(max_turns=3)
+    assert build.turn_reward == "increment"
+    config = AlgorithmConfig(num_generations=2, num_turns=3, early_termination_threshold=0.5)
+    tree = rollout(sample, build, [ITEM], config)
+    assert [turn.rewards.flatten().tolist() for turn in tree.turns] == [[0.5, 0.25], [0.75, 0.75]]
+    assert tree.turns[0].terminated.tolist() == [[True, False]] and tree.turns[1].terminated.all()
+    per_agent, returns = advantages(tree, 2, config)
+    assert returns[0].flatten().tolist() == [0.5, 1.0]
+    assert per_agent[0][0].tolist() == [-0.25, 0.25]  # finishing beats stopping half-built
+    assert rollout_metrics(tree, returns, per_agent)["reward/episode/mean"] == 0.75

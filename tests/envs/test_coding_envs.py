@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from teamrl.envs import Step, make_env
-from teamrl.envs.code_extract import extract_code
 from teamrl.envs.coding import assertion_label, split_tests
+from teamrl.rewards.code_extract import extract_code
 from teamrl.sandbox import SandboxUnavailableError
 from teamrl.train import Trainer
 

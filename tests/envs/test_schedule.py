@@ -121,8 +121,27 @@ def test_individual_rewards_score_each_agent_alone():
     actions = ["t1 mon 9\nt3 tue 9", "t2 mon 10\nt4 mon 13 t1 tue 9"]
     assert env.individual_rewards(ITEM, actions) == [pytest.approx(0.5), pytest.approx(0.5 - 0.05)]
     assert env.joint_reward(ITEM, actions).total == pytest.approx(0.5 - 0.05)
-    sparse = hand_env(sparse=True, turns=2)
-    assert sparse.individual_rewards(ITEM, actions) == [0.0, 0.0]
+
+
+def test_sparse_individual_rewards_pay_each_agents_shaped_return_at_the_last_turn():
+    # Turn 1: seat 0 writes a teammate's t2 (-0.05), seat 1 a malformed day (-0.05). Turn 2: seat 1 places t4 and
+    # writes an unknown t9 (-0.05). Each agent's own meetings end valid, 2 of 4: seat 0 0.5 - 0.05, seat 1
+    # 0.5 - 0.05 - 0.05: the penalties of every turn count, not the last turn's only.
+    turns = [["t1 mon 9\nt3 tue 9 t2 mon 10", "t2 mon 11\nt4 monday 13"], ["", "t4 mon 13 t9 mon 9"]]
+    sparse, shaped = hand_env(sparse=True, turns=2), hand_env(turns=2)
+    assert sparse.individual_rewards(ITEM, turns[0]) == [0.0, 0.0]
+    assert shaped.individual_rewards(ITEM, turns[0]) == [pytest.approx(0.5 - 0.05), pytest.approx(0.25 - 0.05)]
+    history = step(sparse, [], turns[0])
+    assert sparse.individual_rewards(ITEM, turns[1], history) == [pytest.approx(0.45), pytest.approx(0.4)]
+    assert shaped.individual_rewards(ITEM, turns[1], history) == [0.0, pytest.approx(0.25 - 0.05)]
+
+
+def test_sparse_episodes_shorter_than_the_paying_turn_are_refused():
+    hand_env(sparse=True, turns=3).check_num_turns(3)
+    hand_env(turns=3).check_num_turns(2)  # shaped: every turn pays
+    with pytest.raises(ValueError, match=r"^algorithm.num_turns: sparse: true pays only at turn env.kwargs.turns = 3, "
+                                         r"so a 1-turn episode earns 0 everywhere"):
+        hand_env(sparse=True, turns=3).check_num_turns(1)
 
 
 def test_three_agents_own_their_tasks():

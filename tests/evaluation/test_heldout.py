@@ -43,6 +43,39 @@ def test_training_and_teamrl_eval_give_a_team_the_same_numbers(tiny_eval, tmp_pa
     assert metrics["count/hits"] == result.metrics["count/hits"]
 
 
+def test_teamrl_eval_plays_a_saved_team_in_trainings_multi_turn_episodes(tiny_eval, tmp_path):
+    # A two-turn config: Trainer.evaluate plays two-turn episodes, and teamrl eval's team:PATH plays the same ones
+    # (the same numbers and joint actions); the prompt-only baseline answers once. Both normalised returns divide
+    # by the largest return of their own episodes: digit_sum's reward scores a state, max 1 a turn, so 2 and 1.
+    from teamrl.evaluation.runner import EvalSettings, parse_methods, run_evaluation
+
+    config = dataclasses.replace(tiny_eval.config, run_dir=str(tmp_path / "run"),
+                                 algorithm=dataclasses.replace(tiny_eval.config.algorithm, num_turns=2))
+    with Trainer(config) as trainer:
+        saved = trainer.save_team(tmp_path / "team")
+        metrics, samples = trainer.evaluate_with_samples(max_items=2, num_samples=2)
+    methods = parse_methods(f"concat,team:{saved}")
+    results = run_evaluation(config, EvalSettings(tuple(methods), max_items=2, num_samples=2))
+    concat, team = results.methods
+    assert (team.num_turns, concat.num_turns, results.num_turns) == (2, 1, 2)
+    assert all(len(sample["earlier_turns"]) == 1 for sample in team.samples)
+    assert not any("earlier_turns" in sample for sample in concat.samples)
+    assert (metrics, samples) == training_view(team.metrics, team.samples)
+    assert team.metrics["normalised_return"] == pytest.approx(team.metrics["reward_mean"] / 2)
+    assert concat.metrics["normalised_return"] == pytest.approx(concat.metrics["reward_mean"])
+    assert "It plays episodes of 2 turns" in team.description and concat.description == concat.method.description
+
+
+def test_teamrl_eval_refuses_baselines_on_a_world_that_pays_only_at_a_later_turn(tiny_config):
+    from teamrl.evaluation.runner import EvalSettings, parse_methods, run_evaluation
+
+    config = tiny_config(env={"name": "build", "kwargs": {"sparse": True, "max_turns": 2, "num_train": 2,
+                                                           "num_eval": 1}}, algorithm={"num_turns": 2})
+    with pytest.raises(ValueError, match=r"^--methods concat \(a prompt-only baseline answers once\): sparse: true "
+                                         r"pays only at turn env.kwargs.max_turns = 2, so a 1-turn episode earns 0"):
+        run_evaluation(config, EvalSettings(tuple(parse_methods("concat"))))
+
+
 def test_held_out_items_are_sampled_in_batches_each_under_its_own_seed():
     env = make_env("digit_sum", targets=[9], length=4, num_eval=5)
     items = env.items("eval")

@@ -74,3 +74,43 @@ def test_teamrl_plot_loads_no_model_library(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, str(run_dir)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+def _drawn(monkeypatch, history, **options):
+    """The axes plot_reward_curve draws (captured before saving): {label: y values}, and the y-axis label."""
+    captured = {}
+
+    def keep(fig, path):
+        captured["axes"] = fig.axes[0]
+        return Path(path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    plots.plot_reward_curve(history, "unused.png", **options)
+    axes = captured["axes"]
+    return {line.get_label(): list(line.get_ydata()) for line in axes.get_lines()}, axes.get_ylabel()
+
+
+def test_a_multi_turn_curve_shows_training_episode_returns_beside_held_out_episode_returns(monkeypatch):
+    # Two-turn episodes: held-out evaluation scores each episode's return (both turns' joint rewards summed), so
+    # the training curve is the rollout's episode return, not turn 1's reward (0 throughout with a sparse reward).
+    history = [{"step": step, "reward/mean": 0.0, "reward/episode/mean": 0.3 * step} for step in (1, 2)]
+    held_out = [{"step": 0, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.7}]
+    lines, ylabel = _drawn(monkeypatch, history, held_out=held_out, num_turns=2)
+    assert lines["training batch"] == [0.3, 0.6]
+    assert lines["held-out episodes: 0.20 at step 0 -> 0.70 at step 2"] == [0.2, 0.7]
+    assert ylabel == "episode return (2 turns, joint rewards summed)"
+    # A run logged before the episode return existed: its turn-1 reward, labelled as such.
+    lines, _ = _drawn(monkeypatch, [{"step": 1, "reward/mean": 0.1}], num_turns=2)
+    assert lines["training: turn-1 joint reward only (logged before episode returns were)"] == [0.1]
+    # One turn: the episode is the turn.
+    lines, ylabel = _drawn(monkeypatch, [{"step": 1, "reward/mean": 0.4}])
+    assert lines["training batch"] == [0.4] and ylabel == "joint reward"
+
+
+def test_a_runs_curve_reads_its_number_of_turns_from_its_config(tmp_path, monkeypatch):
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_reward_curve", lambda history, path, **options: drawn.update(options))
+    run_dir = _write_run(tmp_path / "run")
+    (run_dir / "config.yaml").write_text("algorithm:\n  name: magrpo\n  num_turns: 3\n")
+    plots.plot_run(run_dir)
+    assert drawn["num_turns"] == 3

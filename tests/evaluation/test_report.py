@@ -88,15 +88,30 @@ def test_each_trained_team_is_set_against_every_other_method_paired_by_item(tiny
     others = [r for r in results.methods if r.method.team_dir is None]
     rows = versus_rows(results)
     assert [(row[0], row[1]) for row in rows] == [(t.method.title, o.method.title) for t in teams for o in others]
-    # the difference is the difference of the two methods' means (every item has the same number of samples)
+    # the difference is the difference of the two methods' normalised returns (every item has the same number of
+    # samples)
     for row, (team, other) in zip(rows, [(t, o) for t in teams for o in others]):
-        assert float(row[2]) == pytest.approx(team.metrics["reward_mean"] - other.metrics["reward_mean"], abs=1e-3)
+        assert float(row[2]) == pytest.approx(team.metrics["normalised_return"] - other.metrics["normalised_return"],
+                                              abs=1e-3)
         assert float(row[3]) >= 0
     out, files = written
     assert "## Trained teams against each other method (paired by item)" in files["results.md"].read_text()
     assert "Trained teams against each other method" in files["report.html"].read_text()
     no_team = dataclasses.replace(results, methods=others)
     assert versus_rows(no_team) == [] and "paired by item" not in render_markdown(no_team)
+
+
+def test_a_teams_multi_turn_episodes_and_a_baselines_one_answer_are_compared_on_one_scale(tmp_path):
+    # Coding rewards score a state (max 4 a turn): a saved team's 2-turn episodes return up to 8, a baseline's one
+    # answer up to 4. Item a: 6 of 8 against 3 of 4 (0.75 each); item b: 6 of 8 against 2 of 4 (0.75 - 0.5).
+    team_dir = tmp_path / "team"
+    team = MethodResult(Method(f"team:{team_dir}", None, team_dir=team_dir), {},
+                        [{"item": item, "reward": 6.0} for item in "ab"], num_turns=2, max_return=8.0)
+    concat = MethodResult(Method("concat", "concat"), {}, [{"item": "a", "reward": 3.0}, {"item": "b", "reward": 2.0}])
+    results = EvalResults("humaneval", "eval", 2, 1, (1,), 4.0, True, ["helper", "main"], [team, concat],
+                          num_turns=2, max_return=8.0)
+    assert versus_rows(results)[0][2] == "+0.125"  # not the raw reward difference, +3.5
+    assert "saved teams play 2-turn episodes scored by their return" in render_markdown(results)
 
 
 def test_csv_and_json_hold_every_metric_and_sample(tiny_eval, written):

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from teamrl.envs.code_extract import extract_code
 from teamrl.envs.coding import read_human_eval
 from teamrl.feedback.static import (
     MAX_SOURCE_CHARS,
@@ -25,6 +24,7 @@ from teamrl.feedback.static import (
     check_syntax,
 )
 from teamrl.rewards.code import analyse_team_code
+from teamrl.rewards.code_extract import extract_code
 
 HEADER = "def f(x):\n    return "
 AUX = "def aux(x):\n    return x\n"

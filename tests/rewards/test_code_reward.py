@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 
-from teamrl.envs.code_extract import extract_code, join_team_program, strip_markdown
 from teamrl.rewards.code import (
     MAX_REWARD,
     CodeGrade,
@@ -24,6 +23,7 @@ from teamrl.rewards.code import (
     main_reward,
     returns_value,
 )
+from teamrl.rewards.code_extract import extract_code, join_team_program, strip_markdown
 from teamrl.sandbox import ExecutionRecord, SandboxLimits, SandboxPool, TestOutcome
 
 # ----------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 def gae_advantages(rewards: list[torch.Tensor], parents: list[torch.Tensor], values: list[torch.Tensor],
                    discount: float, gae_lambda: float, terminated: list[torch.Tensor] | None = None,
-                   num_turns: int | None = None) -> list[torch.Tensor]:
+                   num_turns: int | None = None, turn_reward: str = "state") -> list[torch.Tensor]:
     """GAE(lambda) over the rollout tree, turn t = 1..T.
 
     Args:
@@ -66,9 +66,11 @@ def gae_advantages(rewards: list[torch.Tensor], parents: list[torch.Tensor], val
         values: per turn, (E_t, K) V(s_e) of each expansion point.
         discount: gamma.
         gae_lambda: lambda; 1 gives A = R - V(s_e), R the tree's returns.
-        terminated: per turn, (E_t, M) bool, the joint actions early termination stopped: their reward
-            holds to the horizon (an absorbing state), so their delta is r * sum_{k=0}^{T-t} gamma^k - V(s_e).
+        terminated: per turn, (E_t, M) bool, the joint actions early termination stopped: an absorbing
+            state, so their delta is r * sum_{k=0}^{T-t} gamma^k - V(s_e) ('state' rewards, held to the
+            horizon) or r - V(s_e) ('increment' rewards: nothing more after the stop).
         num_turns: T, the horizon stopped joint actions are valued up to; None: the tree's depth.
+        turn_reward: 'state' or 'increment' (:func:`~teamrl.algorithms.advantages.tree_returns`).
     Returns:
         per turn, (E_t, M, K) advantages.
     """
@@ -77,7 +79,7 @@ def gae_advantages(rewards: list[torch.Tensor], parents: list[torch.Tensor], val
     for turn, (reward, value) in enumerate(zip(rewards, values)):
         reward = reward.clone()
         if terminated is not None:
-            reward[terminated[turn]] *= absorbing_factor(horizon - turn, discount)
+            reward[terminated[turn]] *= absorbing_factor(horizon - turn, discount, turn_reward)
         following = torch.zeros_like(reward)  # V of the state each joint action led to; 0 where none
         if turn + 1 < len(rewards):
             following.view(-1, following.shape[-1])[parents[turn + 1]] = values[turn + 1]
@@ -136,7 +138,8 @@ class ActorCritic:
             values = critic.values(critic_texts, self.micro_batch_size)  # step 1
             rewards = [t.rewards[..., channels] for t in turns]
             critic_advantages = gae_advantages(rewards, parents, list(values.split(sizes)), config.discount,
-                                               config.critic.gae_lambda, terminated, config.num_turns)  # step 2
+                                               config.critic.gae_lambda, terminated, config.num_turns,
+                                               tree.turn_reward)  # step 2
             old_values.append(values)
             advantages.append(critic_advantages)
             targets.append(torch.cat([a + v.unsqueeze(1) for a, v in zip(critic_advantages, values.split(sizes))]))
@@ -145,7 +148,8 @@ class ActorCritic:
         if config.critic.normalize_advantages:
             per_agent = [whiten(turn_advantages) for turn_advantages in per_agent]
 
-        returns = tree_returns([t.rewards for t in turns], parents, config.discount, terminated, config.num_turns)
+        returns = tree_returns([t.rewards for t in turns], parents, config.discount, terminated, config.num_turns,
+                               tree.turn_reward)
         metrics = rollout_metrics(tree, returns, per_agent)
         generations = [[turn.generations[i] for turn in turns] for i in range(len(self.names))]
         for name, stats in zip(self.names, agents.update(generations, per_agent, seeds)):  # step 3

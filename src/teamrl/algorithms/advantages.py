@@ -94,28 +94,42 @@ def sample_advantages(returns: torch.Tensor, combos: torch.Tensor, agent: int, n
     return agent_advantages(estimate(returns), combos, agent, num_samples)
 
 
-def absorbing_factor(turns_left: int, discount: float) -> float:
-    """sum_{k=0}^{turns_left-1} discount^k: what one reward is worth when it is received on each of the
-    ``turns_left`` turns from now to the horizon (this one included)."""
+def absorbing_factor(turns_left: int, discount: float, turn_reward: str = "state") -> float:
+    """What a reward r of the turn early termination stopped is worth, as a multiple of r, with ``turns_left``
+    turns from that one to the horizon (it included): sum_{k=0}^{turns_left-1} discount^k when a 'state'
+    reward is earned again on every turn the team stays (:func:`tree_returns`), 1 for an 'increment'."""
     if turns_left < 1:
         raise ValueError(f"turns_left must be >= 1 (got {turns_left})")
-    return float(sum(discount**k for k in range(turns_left)))
+    if turn_reward not in ("state", "increment"):
+        raise ValueError(f"turn_reward: 'state' or 'increment' (got {turn_reward!r}); set the environment's "
+                         f"turn_reward to one of them")
+    return float(sum(discount**k for k in range(turns_left))) if turn_reward == "state" else 1.0
 
 
 def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], discount: float,
-                 terminated: list[torch.Tensor] | None = None, num_turns: int | None = None) -> list[torch.Tensor]:
+                 terminated: list[torch.Tensor] | None = None, num_turns: int | None = None,
+                 turn_reward: str = "state") -> list[torch.Tensor]:
     """Returns over the rollout tree, turn t = 1..T:
 
     * a joint action of the last turn T (or any other leaf): R = r;
     * an inner node: R = r + discount * mean(R of its children);
-    * a joint action early termination stopped at turn t < T: R = r * sum_{k=0}^{T-t} discount^k.
+    * a joint action early termination stopped at turn t < T: R = r * sum_{k=0}^{T-t} discount^k when
+      the reward is a 'state' value, R = r when it is an 'increment' (``turn_reward``, the environment's
+      :attr:`~teamrl.envs.base.Environment.turn_reward`).
 
-    An early-terminated joint action is an absorbing state: the episode stays where the team stopped
-    and keeps the reward it reached on every remaining turn. Valued as a plain leaf (R = r) it would
-    collect one turn's reward against its siblings' several and rank below siblings that solved
-    nothing (issue #22's example in docs/algorithm.md); as an absorbing state it gets exactly what a
-    sibling earning the same reward on every later turn gets, so stopping early is never worse than
-    continuing at the same reward.
+    An early-terminated joint action is an absorbing state: the episode stays where the team stopped, and
+    it earns on each remaining turn what staying there earns. Which that is depends on what a turn's
+    reward measures. A 'state' reward scores what the team holds (a program's grade), so staying earns it
+    again every turn: valued as a plain leaf (R = r), the stop would collect one turn's reward against its
+    siblings' several and rank below siblings that solved nothing (issue #22's example in
+    docs/algorithm.md); repeated, it gets exactly what a sibling holding the same reward to the end gets.
+    An 'increment' reward pays the progress of the turn (shaped rewards, whose turns add up to the final
+    score), so staying earns 0 and R = r: repeating it would count the same progress once per remaining
+    turn (a half-built team stopping at 0.5 with two turns left was valued 1.5, above the 1.0 of finishing
+    and above any episode's return). Either way a stop is worth what continuing without change is worth,
+    never more than reaching further. A cap cannot replace the distinction: a stop at reward r is worth
+    r * sum gamma^k for a state and r for an increment, so any cap either undervalues a state held to the
+    end or lets a partial increment tie with finishing.
 
     Args:
         rewards: per turn, (E_t, M, K) rewards of every joint action.
@@ -127,6 +141,7 @@ def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], disco
             as absorbing states). None: no joint action was stopped.
         num_turns: T, the horizon terminated joint actions are valued up to; the tree itself may end
             before T when every joint action of a turn was stopped. None: the tree's depth.
+        turn_reward: 'state' (default) or 'increment', what a stopped joint action's reward stands for.
     Returns:
         per turn, (E_t, M, K) returns.
     Raises:
@@ -146,7 +161,7 @@ def tree_returns(rewards: list[torch.Tensor], parents: list[torch.Tensor], disco
                                  f"joint actions {tuple(turn_returns.shape[:2])}")
             if turn + 1 < len(rewards) and stopped.reshape(-1)[parents[turn + 1]].any():
                 raise ValueError(f"terminated[{turn}]: a stopped joint action has children at turn {turn + 2}")
-            turn_returns[stopped] *= absorbing_factor(horizon - turn, discount)
+            turn_returns[stopped] *= absorbing_factor(horizon - turn, discount, turn_reward)
     for turn in range(len(rewards) - 1, 0, -1):
         previous = returns[turn - 1]
         flat = previous.view(-1, previous.shape[-1])
@@ -194,8 +209,15 @@ def rollout_metrics(tree: RolloutTree, returns: list[torch.Tensor],
                     agent_advantages_: list[list[torch.Tensor]]) -> dict[str, float]:
     """Per-turn joint reward and return statistics of a step's rollout ``tree`` (``returns`` as the algorithm
     computed them, e.g. :func:`~teamrl.algorithms.magrpo.advantages`; early-terminated joint actions valued as
-    absorbing states), how many joint actions early termination stopped, and advantage statistics, for logging."""
+    absorbing states), how many joint actions early termination stopped, and advantage statistics, for logging; and
+    ``reward/episode/mean``, the undiscounted sum of an episode's joint rewards down the tree (a turn-1 joint
+    action's reward plus the mean of its children's, and so on), the training counterpart of held-out
+    evaluation's ``reward/mean`` over episodes of ``num_turns`` turns."""
     metrics: dict[str, float] = {}
+    joint_rewards = [torch.tensor([r.total for r in turn.results]).view(*turn.rewards.shape[:2], 1)
+                     for turn in tree.turns]
+    episode = tree_returns(joint_rewards, [t.parents for t in tree.turns], 1.0, [t.terminated for t in tree.turns],
+                           tree.num_turns, tree.turn_reward)[0]
     for t, (turn, turn_returns) in enumerate(zip(tree.turns, returns), start=1):
         joint = torch.tensor([r.total for r in turn.results])
         metrics[f"reward/turn{t}/mean"] = float(joint.mean())
@@ -209,6 +231,7 @@ def rollout_metrics(tree: RolloutTree, returns: list[torch.Tensor],
     metrics["advantage/abs_mean"] = float(every.abs().mean())
     metrics["reward/mean"] = metrics["reward/turn1/mean"]
     metrics["return/mean"] = metrics["return/turn1/mean"]
+    metrics["reward/episode/mean"] = float(episode.mean())
     return metrics
 
 

@@ -10,8 +10,8 @@ One training step for a batch of items:
    observation, and every agent again samples G completions: an aligned tree with G^T leaves.
 2. Returns (:func:`~teamrl.algorithms.advantages.tree_returns`): R = r at a leaf of the last turn,
    R = r + gamma * mean(R of the children) at an inner node, and a joint action early termination
-   stopped at turn t is an absorbing state that keeps its reward to the horizon:
-   R = r * sum_{k=0}^{T-t} gamma^k.
+   stopped at turn t is an absorbing state: R = r * sum_{k=0}^{T-t} gamma^k when a turn's reward scores
+   the state the team holds, R = r when it pays the turn's progress (the environment's ``turn_reward``).
 3. Advantages, paper Eq. 1 (:func:`advantages`, :func:`~teamrl.algorithms.advantages.sample_advantages`): over
    the joint actions that share a parent node, A_g = R_g - mean(R) (or a registered variant). The advantage
    is centralised: every agent's part of joint action g gets the same A_g ('cross': an agent's sample
@@ -74,7 +74,7 @@ def advantages(tree: RolloutTree, num_agents: int,
                config: AlgorithmConfig) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per agent and turn, the (E*G,) advantage of each of its completions; and the returns of each turn."""
     returns = tree_returns([t.rewards for t in tree.turns], [t.parents for t in tree.turns], config.discount,
-                           [t.terminated for t in tree.turns], config.num_turns)
+                           [t.terminated for t in tree.turns], config.num_turns, tree.turn_reward)
     per_agent: list[list[torch.Tensor]] = [[] for _ in range(num_agents)]
     for turn, turn_returns in zip(tree.turns, returns):
         for i in range(num_agents):

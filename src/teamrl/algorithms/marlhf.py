@@ -176,7 +176,7 @@ class MARLHF:
                             UpdateStats(1).result().items()})
         else:
             scores = self.scores(texts) if scores is None else scores
-            learned, start = RolloutTree(), 0
+            learned, start = dataclasses.replace(tree, turns=[]), 0
             for turn in tree.turns:
                 size = turn.rewards.shape[0] * turn.rewards.shape[1]
                 rewards = scores[start:start + size].view(*turn.rewards.shape[:2], 1)

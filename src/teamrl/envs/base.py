@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from teamrl.registry import Registry
 from teamrl.rewards.base import RewardResult
@@ -48,7 +48,14 @@ class Environment(ABC):
     max_turns: int | None = 1
     """Longest episode the task supports (None = any)."""
     max_reward: float = 1.0
-    """Largest joint reward of one turn; normalised returns divide by it."""
+    """Largest joint reward of one turn; normalised returns divide by the episode's largest return, built on it
+    (:meth:`max_return`)."""
+    turn_reward: Literal["state", "increment"] = "state"
+    """What one turn's joint reward measures. 'state': how good what the team holds after the turn is (a
+    program, a text), which a team that stays there earns again on every later turn. 'increment': what the
+    turn added (shaped progress, whose turns add up to the final score), so a team that stays earns nothing
+    more. It decides what a joint action that early termination stopped is worth
+    (docs/algorithm.md#early-termination-an-absorbing-state) and an episode's largest return."""
 
     splits: dict[str, Sequence[Item]]
     """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor. An item
@@ -82,6 +89,19 @@ class Environment(ABC):
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         """Each agent's observation after ``history`` (multi-turn tasks override this)."""
         raise NotImplementedError(f"{type(self).__name__} is single-turn: it has no next observations")
+
+    def max_return(self, num_turns: int) -> float:
+        """The largest undiscounted return of an episode of ``num_turns`` turns: ``max_reward`` on every turn
+        ('state' rewards) or once ('increment' rewards: the turns add up to one final score)."""
+        return self.max_reward * (num_turns if self.turn_reward == "state" else 1)
+
+    def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
+        """Refuse, with a one-line ValueError that names ``field`` (where the episode length was set), episodes
+        of ``num_turns`` turns that this task cannot score: by default longer than :attr:`max_turns`; a task
+        whose reward is paid at a fixed turn (a sparse reward) also refuses shorter ones."""
+        if self.max_turns is not None and num_turns > self.max_turns:
+            raise ValueError(f"{field}: {type(self).__name__} supports at most {self.max_turns} turns "
+                             f"(got {num_turns})")
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
         """A reward per agent, for the independent-learner baseline (``algorithm.learners='individual'``):
@@ -181,6 +201,14 @@ class Environment(ABC):
 
     def _output_name(self, seat: int) -> str:
         return self.output_names[seat] if seat < len(self.output_names) else "answer"
+
+
+def sparse_too_short(field: str, num_turns: int, pay_turn: int, turns_field: str) -> str:
+    """The error for episodes that end before a sparse reward's one paying turn: they would earn 0 everywhere."""
+    return (f"{field}: sparse: true pays only at turn env.kwargs.{turns_field} = {pay_turn}, so a {num_turns}-turn "
+            f"episode earns 0 everywhere; play {pay_turn} turns (algorithm.num_turns: {pay_turn}, or lower "
+            f"env.kwargs.{turns_field}) or use the shaped reward (env.kwargs.sparse: false), whose turns add up to "
+            f"the same return")
 
 
 VOCABULARY_ITEMS = 1000

@@ -27,13 +27,19 @@ has nothing below it (floating), a ``remove`` finds an empty cell or a block on 
 **Reward.** IoU = (cells holding the target's type) / |target cells ∪ built cells|. Waste costs
 ``waste_cost`` (0.1) for each rejected command, each collision and each accepted block that is not in
 the target with that type (``off_target``). Shaped (default): each turn pays the change of IoU during the
-turn minus that turn's waste, so an episode's return is final IoU minus all waste, at most 1. Sparse
-(``sparse=True``): turns before the last one (turn ``max_turns``; set ``max_turns`` to the run's
-``algorithm.num_turns``) pay 0 and the last pays final IoU minus the waste of the whole episode (the same
-return, all at the end). ``max_reward`` is 1.0 either way: no single turn can pay more.
+turn minus that turn's waste, so an episode's return is final IoU minus all waste, at most 1 (a per-turn
+increment: ``turn_reward = "increment"``, so a team that early termination stops earns nothing after the
+stop). Sparse (``sparse=True``): turns before the last one (turn ``max_turns``; set ``max_turns`` to the
+run's ``algorithm.num_turns``: :meth:`BuildEnv.check_num_turns` refuses shorter episodes, which would earn
+0) pay 0 and the last pays final IoU minus the waste of the whole episode (the same return, all at the
+end). ``max_reward`` is 1.0 either way: no single turn, and no episode, can pay more.
 
-**Individual rewards** (``algorithm.learners=individual``): agent i's correct blocks placed in this turn
-within its own part, divided by the number of target blocks, minus its own waste.
+**Individual rewards** (``algorithm.learners=individual``) charge each agent for what it did in a turn: its
+correct blocks placed within its own part, less the correct blocks it removed anywhere (a teammate's too),
+divided by the number of target blocks, minus the waste it caused: its rejected commands and off-target
+blocks, and each collision in which it built outside its own part (the earlier builder when the cell is
+the later one's part; otherwise the later builder, whose command was rejected). Sparse: each agent's sum
+over the episode, paid at the last turn.
 
 The prompt gives each agent the exact ``place`` lines of its part of the target in build order (lower
 layers first), so an untrained model that copies a line already scores; after each turn it sees the
@@ -48,7 +54,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from teamrl.envs.base import Environment, Item, Step, register_env
+from teamrl.envs.base import Environment, Item, Step, register_env, sparse_too_short
 from teamrl.rewards.base import RewardResult
 
 TYPES = ("R", "G", "B", "Y", "W")
@@ -83,10 +89,15 @@ class Record:
     command: Command
     status: str
     reason: str = ""
-    collision: bool = False
+    collided_with: int | None = None
+    """A collision: the seat whose block, placed this turn, already filled the cell."""
     off_target: bool = False
     correct: bool = False
     removed_correct: bool = False
+
+    @property
+    def collision(self) -> bool:
+        return self.collided_with is not None
 
     def line(self) -> str:
         """How the agent sees it: ``ok place 0 0 0 R``, ``rejected remove 1 1 1: nothing there``."""
@@ -174,10 +185,10 @@ def apply_turn(world: World, actions: Sequence[str], target: World, size: Cell, 
             reason = apply_command(world, command, size, types)
             if reason is not None:
                 other = placed_by.get(command.cell) if command.verb == "place" else None
-                collision = reason == "occupied" and other is not None and other != seat
-                if collision:
+                collided_with = other if reason == "occupied" and other is not None and other != seat else None
+                if collided_with is not None:
                     reason = f"collision, builder {other + 1} placed a block there this turn"
-                records.append(Record(seat, command, "rejected", reason, collision=collision))
+                records.append(Record(seat, command, "rejected", reason, collided_with=collided_with))
                 continue
             if command.verb == "place":
                 placed_by[command.cell] = seat
@@ -254,6 +265,7 @@ class BuildEnv(Environment):
     """
 
     max_reward = 1.0
+    turn_reward = "increment"
 
     def __init__(self, num_agents: int = 2, width: int = 4, depth: int = 4, height: int = 3,
                  num_blocks: int | Sequence[int] = (4, 8), num_types: int = 3, roles: str = "region",
@@ -288,6 +300,11 @@ class BuildEnv(Environment):
         # to copy: a 135M model copies a short prompt's lines far more often than a long one's.
         self.roles = tuple(self._header(seat) for seat in range(num_agents))
         self.splits = self._generate(seed, (low, high), num_train, num_eval)
+
+    def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
+        super().check_num_turns(num_turns, field)
+        if self.sparse and num_turns < self.max_turns:
+            raise ValueError(sparse_too_short(field, num_turns, self.max_turns, "max_turns"))
 
     # ------------------------------------------------------------------------------------------ items
 
@@ -366,19 +383,46 @@ class BuildEnv(Environment):
         return RewardResult(sum(parts.values()), parts, counts)
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
-        """Agent i: its correct blocks placed this turn in its own part, less the correct blocks it removed
-        there (so removing and placing a block again earns nothing), / target blocks, minus its own waste."""
-        target = self.target(item)
-        before, _ = self.replay(item, history)
+        """Each agent's reward for what it did this turn (:meth:`own_rewards`); with ``sparse`` the sum of its
+        turns' rewards, paid at turn ``max_turns`` (0 before), as the joint reward is."""
+        before, past = self.replay(item, history)
         _, records = self.turn(item, before, actions)
-        rewards = []
-        for seat in range(self.num_agents):
-            own = [r for r in records if r.seat == seat]
-            mine = [r for r in own if (r.correct or r.removed_correct)
-                    and self.owner(r.command.cell, target[r.command.cell]) == seat]
-            correct = sum(r.correct for r in mine) - sum(r.removed_correct for r in mine)
-            rewards.append(correct / len(target) + sum(self._waste_cost(own)))
-        return rewards
+        if not self.sparse:
+            return self.own_rewards(item, records)
+        if len(history) + 1 < self.max_turns:
+            return [0.0] * self.num_agents
+        return [sum(turns) for turns in zip(*(self.own_rewards(item, turn) for turn in [*past, records]))]
+
+    def own_rewards(self, item: Item, records: Sequence[Record]) -> list[float]:
+        """Agent i's reward for one turn's ``records``: (its correct blocks placed in its own part, less every
+        correct block it removed, in any part) / target blocks, minus the waste it caused: its rejected
+        commands, its off-target blocks and the collisions it is charged (:meth:`charged_seat`).
+
+        Removing a teammate's correct block costs the remover what placing it earned the teammate, so credit
+        only moves between agents, it is never made: over an episode the agents' rewards add up to at most
+        (correct blocks at the end) / target blocks minus the episode's waste, and removing and placing a
+        block again earns nothing."""
+        target = self.target(item)
+        blocks, wasted = [0] * self.num_agents, [0] * self.num_agents
+        for record in records:
+            cell = record.command.cell
+            if record.correct and self.owner(cell, target[cell]) == record.seat:
+                blocks[record.seat] += 1
+            if record.removed_correct:
+                blocks[record.seat] -= 1
+            if record.collision:
+                wasted[self.charged_seat(target, record)] += 1
+            elif record.status == "rejected" or record.off_target:
+                wasted[record.seat] += 1
+        return [count / len(target) - self.waste_cost * waste for count, waste in zip(blocks, wasted)]
+
+    def charged_seat(self, target: World, collision: Record) -> int:
+        """Who a collision is charged to: the agent that built outside its own part. When the cell holds a
+        target block of the later builder's part (the one rejected), the earlier builder intruded there;
+        otherwise the later one did (the cell is the earlier builder's, a third agent's or no one's)."""
+        cell = collision.command.cell
+        responsible = self.owner(cell, target[cell]) if cell in target else None
+        return collision.collided_with if responsible == collision.seat else collision.seat
 
     # ------------------------------------------------------------------------------------ observations
 

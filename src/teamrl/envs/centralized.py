@@ -34,7 +34,7 @@ class CentralizedEnv(Environment):
                              f"split_single_agent_output")
         self.inner = inner
         self.roles = (inner.single_agent_role,) if inner.single_agent_role else ()
-        self.max_reward = inner.max_reward
+        self.max_reward, self.turn_reward = inner.max_reward, inner.turn_reward
         self.splits = inner.splits
 
     def observe(self, item: Item) -> list[str]:
@@ -43,6 +43,10 @@ class CentralizedEnv(Environment):
     def inner_actions(self, item: Item, actions: Sequence[str]) -> list[str]:
         """The inner task's joint action that the one agent's completion ``actions[0]`` stands for."""
         return self.inner.split_single_agent_output(item, actions[0])
+
+    def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
+        super().check_num_turns(num_turns, field)
+        self.inner.check_num_turns(num_turns, field)  # e.g. a sparse task that pays at a later turn
 
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         return self.inner.joint_reward(item, self.inner_actions(item, actions), history)

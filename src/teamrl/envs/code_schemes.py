@@ -2,7 +2,7 @@
 
 The MAGRPO paper names four cooperation schemes that emerge in the coding task. Each is recognised
 here by rules on the AST of main's entry-point function (extracted from the completions with
-``teamrl.envs.code_extract.extract_code``, as the reward does); nothing is executed.
+``teamrl.rewards.code_extract.extract_code``, as the reward does); nothing is executed.
 
 Words used below:
 
@@ -66,8 +66,8 @@ import ast
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from teamrl.envs.code_extract import Definition, extract_code
 from teamrl.rewards.code import calls_function, is_thin_wrapper
+from teamrl.rewards.code_extract import Definition, extract_code
 
 SCHEMES = ("trivial", "fallback", "coordinator", "strategy_filter", "decorator", "other")
 """The schemes, in the priority order of the rules."""

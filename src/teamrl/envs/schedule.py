@@ -27,8 +27,10 @@ A task is *valid* when it is placed and no violation names it; a rule about an u
 yet violated. Shaped reward (default) of a turn: the change in the share of the item's tasks that are
 valid, minus that turn's penalties. Sparse reward: 0 until turn ``turns``, then the final share of
 valid tasks minus the penalties of the whole episode; summed over an episode of ``turns`` turns the
-two are equal. Individual rewards (``algorithm.learners=individual``): agent i's commands alone applied
-to the schedule the previous turns left, scored on its own tasks, with its own penalties.
+two are equal (an episode shorter than ``turns`` would earn 0: :meth:`ScheduleEnv.check_num_turns` refuses it).
+Individual rewards (``algorithm.learners=individual``): agent i's commands alone applied to the schedule the
+previous turns left, scored on its own tasks, with its own penalties (sparse: 0 until turn ``turns``, then
+its own share minus its own penalties of every turn).
 
 Every item is feasible: it is drawn around a hidden valid schedule (each window contains the hidden
 slot; each precedence rule holds in it). Train and eval items come from disjoint seeds (an eval item
@@ -47,7 +49,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from teamrl.envs.base import Environment, Item, Step, register_env
+from teamrl.envs.base import Environment, Item, Step, register_env, sparse_too_short
 from teamrl.rewards.base import RewardResult
 
 DAYS = ("mon", "tue", "wed", "thu", "fri")
@@ -225,6 +227,7 @@ class ScheduleEnv(Environment):
     """
 
     max_reward = 1.0
+    turn_reward = "increment"
 
     def __init__(self, num_agents: int = 2, num_tasks: int = 4, num_days: int = 2, num_people: int = 3,
                  precedence_density: float = 0.3, window_slack: int = 1, turns: int = 4, sparse: bool = False,
@@ -259,6 +262,11 @@ class ScheduleEnv(Environment):
             evals.append(item)
         self.splits = {"train": train, "eval": evals}
 
+    def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
+        super().check_num_turns(num_turns, field)
+        if self.sparse and num_turns < self.turns:
+            raise ValueError(sparse_too_short(field, num_turns, self.turns, "turns"))
+
     # --- state --------------------------------------------------------------------------------
 
     def apply_turn(self, item: Item, schedule: dict[str, tuple[str, int]], actions: Sequence[str],
@@ -273,14 +281,15 @@ class ScheduleEnv(Environment):
                 schedule[command.task] = (command.day, command.hour)
         return schedule, rejected
 
-    def replay(self, item: Item, history: Sequence[Step]) -> tuple[dict[str, tuple[str, int]], list[float]]:
-        """The schedule the turns of ``history`` left, and each turn's (capped) penalty."""
+    def replay(self, item: Item,
+               history: Sequence[Step]) -> tuple[dict[str, tuple[str, int]], list[list[Rejection]]]:
+        """The schedule the turns of ``history`` left, and each turn's rejected commands."""
         schedule: dict[str, tuple[str, int]] = {}
-        penalties = []
+        turns = []
         for step in history:
             schedule, rejected = self.apply_turn(item, schedule, step.actions)
-            penalties.append(self._penalty(len(rejected)))
-        return schedule, penalties
+            turns.append(rejected)
+        return schedule, turns
 
     def _penalty(self, rejected: int) -> float:
         return min(self.max_penalty, self.penalty * rejected)
@@ -292,7 +301,7 @@ class ScheduleEnv(Environment):
     # --- rewards ------------------------------------------------------------------------------
 
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
-        before, past_penalties = self.replay(item, history)
+        before, past = self.replay(item, history)
         after, rejected = self.apply_turn(item, before, actions)
         penalty = self._penalty(len(rejected))
         share_before, share_after = self._share(item, before), self._share(item, after)
@@ -301,24 +310,28 @@ class ScheduleEnv(Environment):
         if self.sparse:
             if len(history) + 1 < self.turns:
                 return RewardResult(0.0, {"progress": 0.0, "penalty": 0.0}, counts)
-            total_penalty = sum(past_penalties) + penalty
+            total_penalty = sum(self._penalty(len(turn)) for turn in past) + penalty
             return RewardResult(share_after - total_penalty, {"progress": share_after, "penalty": -total_penalty},
                                 counts)
         progress = share_after - share_before
         return RewardResult(progress - penalty, {"progress": progress, "penalty": -penalty}, counts)
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
-        """Agent i's own commands alone on the schedule the previous turns left, scored on its own tasks
-        (the share of the item's tasks that are its own and valid) minus its own penalties."""
-        before, _ = self.replay(item, history)
+        """Agent i's own commands alone on the schedule the previous turns left, scored on its own tasks (the
+        share of the item's tasks that are its own and valid). Shaped: the change of that share minus its own
+        penalties of the turn. Sparse: 0 until turn ``turns``, then the share minus its own penalties of every
+        turn of the episode (as the sparse joint reward counts every turn's penalties)."""
+        if self.sparse and len(history) + 1 < self.turns:
+            return [0.0] * self.num_agents
+        before, past = self.replay(item, history)
         rewards = []
         for seat in range(self.num_agents):
             own = {t["id"] for t in item["tasks"] if task_owner(item, t["id"], self.num_agents) == seat}
             after, rejected = self.apply_turn(item, before, actions, seats=[seat])
             penalty = self._penalty(len(rejected))
             if self.sparse:
-                final = len(history) + 1 >= self.turns
-                rewards.append(self._share(item, after, own) - penalty if final else 0.0)
+                earlier = sum(self._penalty(sum(r.seat == seat for r in turn)) for turn in past)
+                rewards.append(self._share(item, after, own) - earlier - penalty)
             else:
                 rewards.append(self._share(item, after, own) - self._share(item, before, own) - penalty)
         return rewards
@@ -349,8 +362,8 @@ class ScheduleEnv(Environment):
         return "\n".join(lines)
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
-        schedule, _ = self.replay(item, history)
-        _, rejected = self.apply_turn(item, self.replay(item, history[:-1])[0], history[-1].actions)
+        schedule, turns = self.replay(item, history)
+        rejected = turns[-1]
         broken = violations(item, schedule)
         placed = " | ".join(f"{t['id']} {' '.join(map(str, schedule[t['id']]))}" if t["id"] in schedule
                             else f"{t['id']} unplaced" for t in item["tasks"])

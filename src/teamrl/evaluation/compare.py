@@ -271,7 +271,7 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
         evaluate(0.0)
         trainer.train(after_step=after_step)
         trainer.save_team()
-        max_reward = trainer.env.max_reward
+        max_reward = trainer.env.max_return(config.algorithm.num_turns)  # of an episode: the held-out return's max
     return {"spec": dict(spec), "max_reward": max_reward, "curve": curve, "steps": steps,
             "peak_rss_bytes": _peak_rss_bytes(), "machine": machine()}
 

@@ -2,11 +2,11 @@
 
 :func:`sample_held_out` samples a team's joint actions for held-out items; :meth:`teamrl.train.Trainer.evaluate`
 (which ``teamrl demo`` and ``teamrl compare`` report) and ``teamrl eval``'s ``team:PATH`` method both call it, so
-a team scores the same wherever it is evaluated for the same number of turns: training's evaluation plays the
-episodes ``algorithm.num_turns`` long (every turn's joint reward summed), ``teamrl eval`` one turn, as its
-prompt-only baselines answer once. :func:`score` rewards any method's joint actions with the environment's own
-joint reward and summarises them (:func:`method_metrics`, :func:`sample_records`); ``teamrl eval`` reports
-that, and ``Trainer.evaluate`` the same numbers under training's names (:func:`training_view`).
+a team scores the same wherever it is evaluated: both play episodes ``algorithm.num_turns`` long (every turn's
+joint reward summed), while ``teamrl eval``'s prompt-only baselines answer once. :func:`score` rewards any
+method's joint actions with the environment's own joint reward and summarises them (:func:`method_metrics`,
+:func:`sample_records`); ``teamrl eval`` reports that, and ``Trainer.evaluate`` the same numbers under
+training's names (:func:`training_view`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
                    ks: Sequence[int]) -> dict[str, float]:
     """A method's metrics (names as in ``teamrl eval``'s ``results.json``).
 
-    ``normalised_return``, ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
+    ``normalised_return`` (the mean return over the largest return of an episode that long,
+    :meth:`~teamrl.envs.base.Environment.max_return`: a one-turn baseline and a team's multi-turn episodes
+    on one scale), ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
     ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
     ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
     and ``tokens_per_s``; for a task graded by tests (:meth:`~teamrl.envs.base.Environment.test_pass_rate`, the
@@ -144,7 +146,8 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
     (the fraction of joint actions in each).
     """
     totals = [reward.total for reward in rewards]
-    metrics = {"normalised_return": normalised_return(totals, env.max_reward),
+    num_turns = len(output.episodes[0].history) + 1 if output.episodes else 1
+    metrics = {"normalised_return": normalised_return(totals, env.max_return(num_turns)),
                "reward_mean": statistics.fmean(totals),
                "reward_std": statistics.pstdev(totals)}
     metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})

@@ -41,6 +41,10 @@ def _wrapped(labels: Sequence[str], width: int = 18) -> list[str]:
     return [textwrap.fill(label, width) for label in labels]
 
 
+EPISODE_RETURN = "reward/episode/mean"
+"""Training's episode return per step in ``metrics.jsonl``: every turn's joint reward summed down the tree."""
+
+
 def plot_reward_curve(
     history: Sequence[Mapping[str, float]],
     path: str | Path,
@@ -48,34 +52,49 @@ def plot_reward_curve(
     held_out: Sequence[Mapping[str, float]] = (),
     max_reward: float | None = None,
     title: str = "Joint reward during MAGRPO training",
+    num_turns: int = 1,
 ) -> Path:
-    """Training joint reward per step (and its running mean), with the held-out evaluations as points.
+    """Training's joint reward per step (and its running mean), with the held-out evaluations as points.
+
+    Both curves show one quantity. Held-out evaluation plays episodes of ``num_turns`` turns and scores their
+    return, every turn's joint reward summed; so, when ``num_turns`` > 1, the training curve is the episode
+    return of each step's rollout (:data:`EPISODE_RETURN`), not the first turn's reward (``reward/mean``, which
+    a sparse reward leaves at 0). A run logged before that metric existed has only ``reward/mean``: it is drawn
+    and labelled as the turn-1 reward it is.
 
     ``held_out``: evaluations with their ``step`` and ``reward/mean`` (a run's ``eval.jsonl``), in step order.
+    ``max_reward``: the top of the y axis (for episodes, the largest return of one).
     """
     from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
 
+    episodes = num_turns > 1
+    turn_one_only = episodes and not all(EPISODE_RETURN in h for h in history)
+    key = "reward/mean" if turn_one_only or not episodes else EPISODE_RETURN
+    quantity = f"episode return ({num_turns} turns, joint rewards summed)" if episodes else "joint reward"
+    training = "training: turn-1 joint reward only (logged before episode returns were)" if turn_one_only \
+        else "training batch"
     steps = [int(h["step"]) for h in history]
-    rewards = [h["reward/mean"] for h in history]
+    rewards = [h[key] for h in history]
     window = max(1, len(rewards) // 10)
     running = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
                for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(steps, rewards, color="tab:blue", alpha=0.35, marker="o", markersize=3, label="training batch")
+    ax.plot(steps, rewards, color="tab:blue", alpha=0.35, marker="o", markersize=3, label=training)
     ax.plot(steps, running, color="tab:blue", linewidth=2, label=f"running mean ({window} steps)")
     if held_out:
         first, last = held_out[0], held_out[-1]
         change = (f"{first['reward/mean']:.2f} at step {first['step']:g} -> {last['reward/mean']:.2f} at step "
                   f"{last['step']:g}" if len(held_out) > 1 else f"{last['reward/mean']:.2f} at step {last['step']:g}")
         ax.plot([e["step"] for e in held_out], [e["reward/mean"] for e in held_out], color="tab:green",
-                marker="s", markersize=5, linewidth=1.5, label=f"held-out: {change}")
+                marker="s", markersize=5, linewidth=1.5,
+                label=f"held-out{' episodes' if episodes else ''}: {change}")
     if max_reward is not None:
         ax.set_ylim(0, max_reward)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("training step")
-    ax.set_ylabel("joint reward")
+    ax.set_ylabel(quantity)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
@@ -84,8 +103,9 @@ def plot_reward_curve(
 
 def plot_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     """The reward curve of a training run, from its files: the training reward of every step (``metrics.jsonl``)
-    and the held-out evaluations (``eval.jsonl``, absent in runs from before they existed); written to
-    ``path`` (default ``RUN_DIR/reward_curve.png``), which is returned.
+    and the held-out evaluations (``eval.jsonl``, absent in runs from before they existed), both episode
+    returns when the run's ``algorithm.num_turns`` is above 1 (:func:`plot_reward_curve`); written to ``path``
+    (default ``RUN_DIR/reward_curve.png``), which is returned.
 
     Raises:
         ValueError: ``run_dir`` holds no training run (neither file), or nothing was logged there yet.
@@ -98,10 +118,11 @@ def plot_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     if not metrics and not evaluations:
         raise ValueError(f"run_dir: {str(run_dir)!r} has logged no step yet; plot it once training has begun")
     config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) if (run_dir / CONFIG_FILE).is_file() else None
-    algorithm = (config or {}).get("algorithm", {}).get("name")
-    title = f"Joint reward during {algorithm.upper()} training" if algorithm else "Joint reward during training"
+    algorithm = (config or {}).get("algorithm", {})
+    name = algorithm.get("name")
+    title = f"Joint reward during {name.upper()} training" if name else "Joint reward during training"
     return plot_reward_curve(metrics or [], run_dir / CURVE_FILE if path is None else path,
-                             held_out=evaluations or [], title=title)
+                             held_out=evaluations or [], title=title, num_turns=algorithm.get("num_turns", 1))
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]] | None:

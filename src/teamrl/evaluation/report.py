@@ -87,33 +87,39 @@ def table_rows(results: EvalResults, columns: Sequence[Column]) -> list[list[str
 
 def summary_line(results: EvalResults) -> str:
     """What was evaluated, in one line."""
+    longer = sorted({r.num_turns for r in results.methods if r.num_turns > 1})
+    episodes = (f"; saved teams play {' or '.join(map(str, longer))}-turn episodes scored by their return (every "
+                f"turn's joint reward summed), the baselines answer once; the normalised return divides by the "
+                f"largest return of an episode that long") if longer else ""
     return (f"{results.env_name}, split {results.split!r}: {results.num_items} items x {results.num_samples} "
-            f"samples per method; the environment's joint reward (max {results.max_reward:g}); seed "
-            f"{results.config.get('seed')}; model {results.config.get('team', {}).get('model')!r}.")
+            f"samples per method; the environment's joint reward (max {results.max_reward:g} a turn){episodes}; "
+            f"seed {results.config.get('seed')}; model {results.config.get('team', {}).get('model')!r}.")
 
 
 VERSUS_TITLE = "Trained teams against each other method (paired by item)"
-VERSUS_HEADERS = ("Team", "Against", "Reward difference", "SE", "Difference / SE")
+VERSUS_HEADERS = ("Team", "Against", "Norm. return difference", "SE", "Difference / SE")
 
 
-def _rewards_by_item(result: MethodResult) -> dict[Any, list[float]]:
+def _normalised_returns_by_item(results: EvalResults, result: MethodResult) -> dict[Any, list[float]]:
     by_item: dict[Any, list[float]] = {}
     for sample in result.samples:
-        by_item.setdefault(sample["item"], []).append(sample["reward"])
+        by_item.setdefault(sample["item"], []).append(sample["reward"] / results.method_max_return(result))
     return by_item
 
 
 def versus_rows(results: EvalResults) -> list[list[str]]:
-    """Each saved team against every method that is not a saved team: how much higher its mean reward is, the
-    standard error of that difference over items (:func:`~teamrl.evaluation.metrics.paired_difference`), and
-    the ratio (above 2: the team is ahead by more than two standard errors). Empty without a team and another
-    method."""
+    """Each saved team against every method that is not a saved team: how much higher its mean normalised return
+    is (each episode's return over the largest of an episode that long: a team's multi-turn episodes and a
+    baseline's one answer on one scale), the standard error of that difference over items
+    (:func:`~teamrl.evaluation.metrics.paired_difference`), and the ratio (above 2: the team is ahead by more
+    than two standard errors). Empty without a team and another method."""
     teams = [result for result in results.methods if result.method.team_dir is not None]
     others = [result for result in results.methods if result.method.team_dir is None]
     rows = []
     for team in teams:
         for other in others:
-            difference, se, _ = paired_difference(_rewards_by_item(team), _rewards_by_item(other))
+            difference, se, _ = paired_difference(_normalised_returns_by_item(results, team),
+                                                  _normalised_returns_by_item(results, other))
             ratio = f"{difference / se:+.1f}" if se > 0 else "-"
             rows.append([team.method.title, other.method.title, f"{difference:+.3f}", f"{se:.3f}", ratio])
     return rows
@@ -141,7 +147,7 @@ def render_markdown(results: EvalResults) -> str:
     if versus:
         parts += [f"## {VERSUS_TITLE}", markdown_table(VERSUS_HEADERS, versus)]
     parts.append("## Methods")
-    parts.append("\n".join(f"- **{r.method.title}** (`{r.method.spec}`): {r.method.description}"
+    parts.append("\n".join(f"- **{r.method.title}** (`{r.method.spec}`): {r.description}"
                            for r in results.methods))
     return "\n\n".join(parts) + "\n"
 
@@ -163,8 +169,8 @@ def results_record(results: EvalResults) -> dict[str, Any]:
         "env": results.env_name, "split": results.split, "num_items": results.num_items,
         "num_samples": results.num_samples, "ks": list(results.ks), "max_reward": results.max_reward,
         "agents": results.agent_names, "config": results.config,
-        "methods": [{"method": r.method.spec, "title": r.method.title, "description": r.method.description,
-                     "metrics": r.metrics, "samples": r.samples} for r in results.methods],
+        "methods": [{"method": r.method.spec, "title": r.method.title, "description": r.description,
+                     "num_turns": r.num_turns, "metrics": r.metrics, "samples": r.samples} for r in results.methods],
     }
 
 
@@ -199,7 +205,8 @@ def write_plots(results: EvalResults, out_dir: Path, history: Sequence[Mapping[s
         plots["Cooperation schemes"] = plot_schemes(titles, distributions, out_dir / SCHEMES_PNG)
     if history:
         plots["Training reward curve"] = plot_reward_curve(history, out_dir / REWARD_CURVE_PNG,
-                                                           max_reward=results.max_reward)
+                                                           max_reward=results.max_return or results.max_reward,
+                                                           num_turns=results.num_turns)
     return plots
 
 
@@ -255,7 +262,7 @@ def render_html(results: EvalResults, plots: Mapping[str, Path]) -> str:
                      f"<figcaption>{html.escape(caption)}</figcaption></figure>")
     parts.append("<h2>Methods</h2><dl>" + "".join(
         f"<dt><b>{html.escape(r.method.title)}</b> (<code>{html.escape(r.method.spec)}</code>)</dt>"
-        f"<dd>{html.escape(r.method.description)}</dd>" for r in results.methods) + "</dl>")
+        f"<dd>{html.escape(r.description)}</dd>" for r in results.methods) + "</dl>")
     parts += ["<h2>Sample joint outputs (first sample of each item)</h2>", _samples_html(results)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>teamrl eval: '
             f"{html.escape(results.env_name)}</title><style>{_STYLE}</style></head><body>\n"

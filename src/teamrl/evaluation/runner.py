@@ -4,8 +4,11 @@ Every method answers the same items of the same environment from the same seed a
 environment's own joint reward (:func:`teamrl.evaluation.heldout.score`). The baselines sample with the
 config's ``team.sampling`` and per-agent overrides; a saved team with its own settings, those it was
 trained with (``team_sampling="config"`` gives it the config's instead), and as training's held-out
-evaluation samples it (:func:`teamrl.evaluation.heldout.sample_held_out`): ``Trainer.evaluate`` of the
-same team, items and seed gives the same numbers. Per method: normalised return, mean reward and the
+evaluation samples it (:func:`teamrl.evaluation.heldout.sample_held_out`), in episodes of the config's
+``algorithm.num_turns`` turns with the environment's feedback between them: ``Trainer.evaluate`` of the
+same team, items and seed gives the same numbers. The prompt-only baselines answer once (one turn, no
+feedback); the normalised return divides a method's mean return by the largest return of its episodes'
+length, so both stand on one scale. Per method: normalised return, mean reward and the
 mean of each reward part; for coding tasks pass@k, accuracy@k, the fraction of tests passed and the
 cooperation-scheme distribution; for every method tokens, seconds and tokens/s of generation.
 
@@ -48,6 +51,21 @@ class MethodResult:
     method: Method
     metrics: dict[str, float]
     samples: list[dict[str, Any]]
+    num_turns: int = 1
+    """Turns of its episodes: a saved team's, training's ``algorithm.num_turns``; a baseline answers once."""
+    max_return: float | None = None
+    """The largest return of its episodes (``Environment.max_return(num_turns)``); None: one turn's
+    ``max_reward``."""
+
+    @property
+    def description(self) -> str:
+        """What the method does (:attr:`Method.description`) and, for episodes of several turns, how they are
+        played and scored."""
+        if self.num_turns == 1:
+            return self.method.description
+        return (f"{self.method.description} It plays episodes of {self.num_turns} turns, as training and its "
+                f"held-out evaluation do (after each turn every agent answers the environment's feedback), "
+                f"scored by their return: every turn's joint reward summed.")
 
 
 @dataclass
@@ -66,6 +84,14 @@ class EvalResults:
     agent_names: list[str]
     methods: list[MethodResult]
     config: dict[str, Any] = field(default_factory=dict)
+    num_turns: int = 1
+    """Turns of training's episodes (``algorithm.num_turns``), which saved teams play too."""
+    max_return: float | None = None
+    """The largest return of such an episode (``Environment.max_return``); None: ``max_reward``."""
+
+    def method_max_return(self, result: MethodResult) -> float:
+        """The largest return of ``result``'s episodes, which its normalised return divides by."""
+        return result.max_return if result.max_return is not None else self.max_reward
 
 
 def task_source(target: str) -> tuple[str | None, list[str]]:
@@ -108,24 +134,42 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
             type(env).single_agent_observation is Environment.single_agent_observation:
         raise ValueError(f"--methods: single: {type(env).__name__} defines no single-agent prompt; implement "
                          f"single_agent_observation and split_single_agent_output, or leave single out")
+    turns = [method_turns(method, _played_env(method, env), config.algorithm.num_turns)
+             for method in settings.methods]
     teams = _load_teams(config, env, settings.methods, settings.team_sampling)
     results = []
     try:
-        for method, team in zip(settings.methods, teams):
+        for method, team, num_turns in zip(settings.methods, teams, turns):
             log(f"{method.spec}: {len(items)} items x {settings.num_samples} samples ...")
             played = _played_env(method, env)
-            output = _answer(method, played, team, items, settings.num_samples, config.seed)
+            output = _answer(method, played, team, items, settings.num_samples, config.seed, num_turns)
             metrics, samples = score(played, output, settings.num_samples, settings.ks)
             log(f"{method.spec}: normalised return {metrics['normalised_return']:.3f}, "
                 f"{metrics['tokens_per_s']:.1f} tokens/s")
-            results.append(MethodResult(method, metrics, samples))
+            results.append(MethodResult(method, metrics, samples, num_turns, env.max_return(num_turns)))
     finally:
         close = getattr(env, "close", None)  # a coding task's sandbox pool
         if close is not None:
             close()
     return EvalResults(config.env.name, settings.split, len(items), settings.num_samples, settings.ks,
                        env.max_reward, is_code, [agent.name for agent in config.team.agents], results,
-                       config_to_dict(config))
+                       config_to_dict(config), config.algorithm.num_turns, env.max_return(config.algorithm.num_turns))
+
+
+def method_turns(method: Method, played: Environment, num_turns: int) -> int:
+    """How many turns ``method`` plays: a saved team the episodes of training and its held-out evaluation
+    (``num_turns``, ``algorithm.num_turns``; one for a policy whose task is single-turn, such as a centralised
+    one), a prompt-only baseline one (it answers once).
+
+    Raises:
+        ValueError: the task cannot score episodes that long (a sparse reward paid at a later turn).
+    """
+    if method.baseline is not None:
+        played.check_num_turns(1, f"--methods {method.spec} (a prompt-only baseline answers once)")
+        return 1
+    turns = min(num_turns, played.max_turns or num_turns)
+    played.check_num_turns(turns)
+    return turns
 
 
 def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method],
@@ -168,12 +212,14 @@ def _played_env(method: Method, env: Environment) -> Environment:
 
 
 def _answer(method: Method, env: Environment, team: Team, items: Sequence[Item], num_samples: int,
-            seed: int) -> MethodOutput:
-    """The method's ``num_samples`` joint actions per item. A saved team samples as ``Trainer.evaluate`` does;
-    a baseline on torch's RNG seeded with ``seed``, the same stream for every baseline."""
+            seed: int, num_turns: int = 1) -> MethodOutput:
+    """The method's ``num_samples`` joint actions (episodes of ``num_turns`` turns) per item. A saved team samples
+    as ``Trainer.evaluate`` does; a baseline on torch's RNG seeded with ``seed``, the same stream for every
+    baseline."""
     if method.baseline is None:
         check_context(team, first_observations(env, items))
-        return sample_held_out(functools.partial(sample_team, team), env, items, num_samples, seed)
+        return sample_held_out(functools.partial(sample_team, team), env, items, num_samples, seed,
+                               num_turns=num_turns)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BASELINES[method.baseline](env, team, items, num_samples)

@@ -13,7 +13,7 @@ Three producers, all pure functions:
 tracebacks and in editors, and columns count characters (not UTF-8 bytes).
 
 The text is a model's and may be hostile. :func:`parse_code` is the one way model text is parsed
-(here, in :mod:`teamrl.envs.code_extract` and in the code reward): every way it can fail is a
+(here, in :mod:`teamrl.rewards.code_extract` and in the code reward): every way it can fail is a
 :class:`SyntaxError` or an :class:`UnanalysableCode`, and text longer than :data:`MAX_SOURCE_CHARS`
 or nested deeper than :data:`MAX_TREE_DEPTH` is refused before it can cost seconds, crash the
 interpreter or exhaust the recursion limit of a walk over its tree. :func:`check_syntax` and

@@ -17,7 +17,7 @@ part                    value        when
 ``ignored_aux_result``  -0.5 x C/N   main calls aux as a bare expression statement
 ======================  ===========  ========================================================
 
-Definitions on the AST of the agents' own code (``teamrl.envs.code_extract``):
+Definitions on the AST of the agents' own code (``teamrl.rewards.code_extract``):
 
 - *aux returns something*: aux's own body (not nested functions, lambdas or classes) has a
   ``return <value>`` whose value is not the constant ``None``. A definition that does not parse is
@@ -101,9 +101,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from teamrl.envs.code_extract import Definition, ExtractedCode, extract_code, join_team_program
 from teamrl.feedback.static import UnanalysableCode, parse_code
 from teamrl.rewards.base import RewardResult
+from teamrl.rewards.code_extract import Definition, ExtractedCode, extract_code, join_team_program
 from teamrl.sandbox import ExecutionRecord, Program, SandboxPool, TestOutcome
 
 AUX_STRUCTURE = 0.4

@@ -61,6 +61,11 @@ class RolloutTree:
     """A step's rollout tree, turn by turn."""
 
     turns: list[Turn] = field(default_factory=list)
+    turn_reward: str = "state"
+    """The environment's :attr:`~teamrl.envs.base.Environment.turn_reward`: what a stopped joint action is worth."""
+    num_turns: int | None = None
+    """T, the horizon stopped joint actions are valued up to (the tree ends earlier when every one stopped);
+    None: the tree's depth."""
 
 
 SampleFn = Callable[[Sequence[list[str]], int, int], list[Generation]]
@@ -77,7 +82,7 @@ def sample_tree(sample: SampleFn, env: Environment, items: Sequence[Item], confi
     num_samples, individual = config.num_generations, config.learners == "individual"
     frontier = [(item, ()) for item in items]
     parents = torch.arange(len(items))
-    tree = RolloutTree()
+    tree = RolloutTree(turn_reward=env.turn_reward, num_turns=config.num_turns)
     for turn in range(config.num_turns):
         observations = [checked_observations(env, "observe", item, env.observe(item)) if not history
                         else checked_observations(env, "next_observations", item, env.next_observations(item, history))
