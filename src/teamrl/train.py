@@ -60,6 +60,7 @@ from teamrl.run_dir import (
     how_to_resume,
 )
 from teamrl.team import Team
+from teamrl.user_code import UserCodeError
 
 if TYPE_CHECKING:
     from teamrl.distributed import RayTeam
@@ -94,8 +95,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class TrainingStopped(ValueError):
-    """Training stopped before learning from what it cannot use: the task's code returned a wrong or
-    non-finite value (:class:`~teamrl.envs.checks.EnvironmentOutputError`), an update's gradients were not
+    """Training stopped before learning from what it cannot use: the task's code raised an exception
+    (:class:`~teamrl.user_code.UserCodeError`) or returned a wrong or non-finite value
+    (:class:`~teamrl.envs.checks.EnvironmentOutputError`), an update's gradients were not
     finite, or a checkpoint's weights were. The message says at which step, why, and which checkpoint is
     kept (every one on disk is finite) with the command that resumes from it."""
 
@@ -175,12 +177,12 @@ class Trainer:
         """One step on the next batch of items (the rollout, then the algorithm's learning); returns its metrics.
 
         Raises:
-            TrainingStopped: the task returned a value that cannot be learnt from, or an update's gradients
-                were not finite; the optimiser step that would have used it was not taken.
+            TrainingStopped: the task's code raised, or returned a value that cannot be learnt from, or an
+                update's gradients were not finite; the optimiser step that would have used it was not taken.
         """
         try:
             return self._rollout_and_learn()
-        except (EnvironmentOutputError, NonFiniteUpdate) as err:
+        except (UserCodeError, EnvironmentOutputError, NonFiniteUpdate) as err:
             raise self._stopped(self.step + 1, err) from err
 
     def _rollout_and_learn(self) -> dict[str, float]:
@@ -312,15 +314,16 @@ class Trainer:
         except NonFiniteWeights as err:
             raise self._stopped(self.step, err) from err
 
-    def _stopped(self, step: int, err: Exception) -> TrainingStopped:
-        """Why training stops at ``step`` (``err``), and what it keeps on disk: the newest checkpoint, with the
-        command that resumes from it, or none."""
+    def _stopped(self, step: int, err: Exception, when: str = "") -> TrainingStopped:
+        """Why training stops at ``step`` (``err``, ``when`` in the step), and what it keeps on disk: the newest
+        checkpoint, with the command that resumes from it, or none."""
         kept = complete_checkpoints(self.run_dir)
         what = (f"the last checkpoint, {kept[0]}, is kept; fix the cause, then resume with: "
                 f"{how_to_resume(self.run_dir)}" if kept
                 else f"no checkpoint was written yet: fix the cause, then start again {ask_for('overwrite')}")
-        when = ", before its update" if isinstance(err, EnvironmentOutputError) else ""
-        return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{when}: {err}; {what}")
+        when = when or ("before its update" if isinstance(err, (UserCodeError, EnvironmentOutputError)) else "")
+        return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{', ' + when if when else ''}: "
+                               f"{err}; {what}")
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:
@@ -387,8 +390,11 @@ class Trainer:
         log it under ``eval/...``. Its own seed keeps training's samples as they would be without it."""
         settings = self.config.eval
         began = time.perf_counter()
-        metrics, samples = self.evaluate_with_samples(num_samples=settings.samples, max_items=settings.items,
-                                                      seed=settings.seed)
+        try:
+            metrics, samples = self.evaluate_with_samples(num_samples=settings.samples, max_items=settings.items,
+                                                          seed=settings.seed)
+        except (UserCodeError, EnvironmentOutputError) as err:
+            raise self._stopped(self.step, err, "in its held-out evaluation") from err
         seconds = time.perf_counter() - began
         record = {"step": self.step, **metrics, "items": len(samples) // settings.samples,
                   "samples": settings.samples, "seconds": seconds}

@@ -18,6 +18,7 @@ from typing import Any
 
 from teamrl.registry import registrar
 from teamrl.rewards.base import RewardResult
+from teamrl.user_code import user_method
 
 Item = dict[str, Any]
 
@@ -53,6 +54,18 @@ class Environment(ABC):
     splits: dict[str, Sequence[Item]]
     """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor. An item
     without an ``id`` gets ``"SPLIT-INDEX"`` (reports, samples and pairings name items by id)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A user's task class (one defined outside teamrl) has the methods it defines of :data:`USER_METHODS`
+        marked as user code: an exception they raise stops teamrl with one line naming the method, the item
+        and the line of the user's file (:mod:`teamrl.user_code`), wherever teamrl calls them."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.partition(".")[0] == "teamrl":
+            return
+        for name in USER_METHODS:
+            method = cls.__dict__.get(name)
+            if inspect.isfunction(method):
+                setattr(cls, name, user_method(cls.__qualname__, method))
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Environment:
         env = super().__new__(cls)
@@ -167,6 +180,12 @@ class Environment(ABC):
     def _output_name(self, seat: int) -> str:
         return self.output_names[seat] if seat < len(self.output_names) else "answer"
 
+
+USER_METHODS = ("observe", "next_observations", "joint_reward", "joint_rewards", "individual_rewards",
+                "individual_rewards_many", "single_agent_observation", "split_single_agent_output",
+                "teammates_observation")
+"""The methods teamrl calls on a task with an item (or a batch of them) and whose exceptions it reports as the
+user's (:meth:`Environment.__init_subclass__`)."""
 
 VOCABULARY_ITEMS = 1000
 """Items per split whose observations the default :meth:`Environment.vocabulary` reads."""

@@ -37,6 +37,7 @@ from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.envs.checks import EnvironmentOutputError, short_repr
 from teamrl.imports import import_path_of, load_object, search_folders
 from teamrl.rewards.base import RewardResult
+from teamrl.user_code import user_code
 
 _PART_LABEL = re.compile(r"^\s*\**Part (\d+)\s*:\**", re.MULTILINE | re.IGNORECASE)
 
@@ -147,7 +148,8 @@ class DatasetTask(Environment):
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         if self.feedback_fn is None:
             return super().next_observations(item, history)
-        texts = self.feedback_fn(item, list(history))
+        with user_code(_name(self.feedback_fn), item):
+            texts = self.feedback_fn(item, list(history))
         if isinstance(texts, str):
             texts = [texts] * self.num_agents
         if (not isinstance(texts, (list, tuple)) or len(texts) != self.num_agents
@@ -186,12 +188,14 @@ def _name(function: Callable[..., Any]) -> str:
 
 
 def _call(function: Callable[..., Any], completions: list[str], item: Item, history: Sequence[Step]) -> Any:
+    """``function(completions, item)``, the user's reward function, with ``history=`` when it takes that."""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin without a signature: the two plain arguments
         parameters = {}
     takes_history = "history" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    return function(completions, item, history=list(history)) if takes_history else function(completions, item)
+    with user_code(_name(function), item):
+        return function(completions, item, history=list(history)) if takes_history else function(completions, item)
 
 
 def _locate(data: str, train_split: str) -> str:
