@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from teamrl.run_dir import is_run_config
+
 log = logging.getLogger(__name__)
 
 
@@ -152,6 +154,9 @@ class EnvConfig:
     name: str = _doc("The task: a registered environment (`teamrl envs`), 'dataset' (a task from data, prompts and "
                      "a reward function: docs/environments.md) or your class as module:Class.", "digit_sum")
     kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
+    folders: list[str] = _doc(
+        "Folders your modules (module:Class, and module:function in kwargs) are imported from, besides the config "
+        "file's folder and the working directory; a run's config.yaml records them.", factory=list)
 
 
 #: The shipped training algorithms (``algorithm.name``), each a module of ``teamrl.algorithms``
@@ -601,6 +606,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             from teamrl.imports import add_search_folder
 
             add_search_folder(file.parent)  # users' modules the config names (module:function) sit beside it
+        if is_run_config(file):  # the run is where its config.yaml is now, wherever it was written
+            data["run_dir"] = str(file.parent)
     _drop_kwargs_of_another_env(data, overrides or [])
     for override in overrides or []:
         _apply_override(data, override)

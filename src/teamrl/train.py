@@ -38,7 +38,7 @@ from teamrl.checkpoint import (
     save_checkpoint,
 )
 from teamrl.config import TrainConfig, config_to_dict
-from teamrl.envs.base import Environment, Item, env_record, make_env
+from teamrl.envs.base import Environment, Item, configured_env, env_record
 from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
@@ -58,6 +58,7 @@ from teamrl.run_dir import (
     clear_run_outputs,
     complete_checkpoints,
     how_to_resume,
+    run_config,
 )
 from teamrl.team import Team
 from teamrl.user_code import UserCodeError
@@ -152,7 +153,7 @@ class Trainer:
             _require("wandb", "logging.wandb_project")
         seed_everything(config.seed)
         # The algorithm's view of the task (centralized: one agent doing every seat's part).
-        self.task = env if env is not None else make_env(config.env.name, **config.env.kwargs)
+        self.task = env if env is not None else configured_env(config.env.name, config.env.kwargs, config.env.folders)
         """The task as given or configured (:attr:`env` is the algorithm's view of it)."""
         self.env = make_environment(config, self.task)
         self._task_record = task_record(self.task)
@@ -237,7 +238,8 @@ class Trainer:
         keeping the last checkpoint.
         """
         config = self.config
-        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        run_settings = run_config(config_to_dict(config), self.run_dir, self._task_record)
+        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(run_settings, sort_keys=False))
         self._open_writers()
         history = []
         progress = _progress(config, initial=self.step)

@@ -241,7 +241,10 @@ def env_record(env: Environment) -> dict[str, Any]:
     from teamrl.imports import import_path_of, module_folder
 
     cls = type(env)
-    name = next((key for key, factory in ENVIRONMENTS.items() if factory is cls), None) or import_path_of(cls)
+    # A user's class by module:Class even when it registered a name (@register_env): a new process knows the
+    # name only once that module is imported, which the import path does.
+    registered = next((key for key, factory in ENVIRONMENTS.items() if factory is cls), None)
+    name = registered if cls.__module__.partition(".")[0] == "teamrl" else import_path_of(cls)
     if name is None:
         raise ValueError(f"{cls.__qualname__} is defined in {cls.__module__!r}, where another process cannot "
                          f"import it: define it in a module file (e.g. my_tasks.py) and import it from there")
@@ -278,11 +281,16 @@ def saved_team_task(team_dir: str | Path) -> tuple[dict[str, Any], Environment]:
 
 def rebuild_env(record: dict[str, Any]) -> Environment:
     """The environment a :func:`env_record` describes (as a saved team's ``team.json`` holds it)."""
-    from teamrl.imports import add_search_folder
-
     if "unavailable" in record:
         raise ValueError(f"team.json: this team's task, {record['name']}, cannot be built again: "
                          f"{record['unavailable']}; in Python, pass it: Team.from_pretrained(path, env=...)")
-    for folder in record.get("folders", ()):
+    return configured_env(record["name"], record.get("kwargs", {}), record.get("folders", ()))
+
+
+def configured_env(name: str, kwargs: dict[str, Any], folders: Sequence[str] = ()) -> Environment:
+    """:func:`make_env` of a config's ``env`` section: ``folders`` (where the user's modules are) searched first."""
+    from teamrl.imports import add_search_folder
+
+    for folder in folders:
         add_search_folder(folder)
-    return make_env(record["name"], **record.get("kwargs", {}))
+    return make_env(name, **kwargs)

@@ -28,7 +28,7 @@ import torch
 
 from teamrl.algorithms.magrpo import team_sampler
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
-from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
+from teamrl.envs.base import ENVIRONMENTS, Environment, Item, configured_env
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.envs.coding import CodingEnv
@@ -203,7 +203,7 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
 
     Every model and saved team is loaded before anything generates, so a bad spec fails at once.
     """
-    env = make_env(config.env.name, **config.env.kwargs)
+    env = configured_env(config.env.name, config.env.kwargs, config.env.folders)
     try:
         items = list(env.items(settings.split))[: settings.max_items]
     except ValueError as err:
