@@ -609,6 +609,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if is_run_config(file):  # the run is where its config.yaml is now, wherever it was written
             data["run_dir"] = str(file.parent)
     _drop_kwargs_of_another_env(data, overrides or [])
+    _drop_advantage_of_another_algorithm(data, overrides or [])
     for override in overrides or []:
         _apply_override(data, override)
     return config_from_dict(data)
@@ -685,6 +686,22 @@ def _drop_kwargs_of_another_env(data: dict[str, Any], overrides: list[str]) -> N
     dropped = env.pop("kwargs")
     log.warning("env.name=%s: left out the config file's env.kwargs (%s), written for %s; %s's come from "
                 "env.kwargs.FIELD=VALUE overrides", names[-1], ", ".join(map(str, dropped)), file_name, names[-1])
+
+
+def _drop_advantage_of_another_algorithm(data: dict[str, Any], overrides: list[str]) -> None:
+    """Leave out the config file's ``algorithm.advantage`` when an ``algorithm.name=`` override names an algorithm
+    with an estimator of its own (``marloo``: rloo), with a one-line note: it was MAGRPO's choice (every preset
+    makes one), and the new name makes another. An ``algorithm.advantage=`` override still conflicts."""
+    overridden = [(key, _override_value(raw)) for key, _, raw in (o.partition("=") for o in overrides)]
+    names = [value for key, value in overridden if key == "algorithm.name"]
+    algorithm = data.get("algorithm")
+    if not names or any(key == "algorithm.advantage" for key, _ in overridden) or not isinstance(algorithm, dict):
+        return
+    fixed = FIXED_ADVANTAGES.get(names[-1]) if isinstance(names[-1], str) else None
+    if fixed is None or algorithm.get("advantage") in (None, fixed):
+        return
+    log.warning("algorithm.name=%s: left out the config file's algorithm.advantage (%s); %s's is %s", names[-1],
+                algorithm.pop("advantage"), names[-1], fixed)
 
 
 def _override_value(raw: str) -> Any:
