@@ -25,6 +25,7 @@ this (its own observations per turn, batched grading), subclass :class:`~teamrl.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 import string
@@ -205,10 +206,17 @@ def _locate(data: str, train_split: str) -> str:
         raise ValueError(f"env.kwargs.data: give a file path or a Hugging Face dataset id (got {data!r})")
     if source_kind(data) != "file" or Path(data).expanduser().is_absolute():
         return data
-    for folder in search_folders()[::-1]:  # the working directory first, then the configs' folders
-        if (folder / data.replace("{split}", train_split)).exists():
+    folders = search_folders()[::-1]  # the working directory first, then the configs' folders
+    wanted = data.replace("{split}", train_split)
+    for folder in folders:
+        if (folder / wanted).exists():
             return str(folder / data)
-    return data
+    nearby = sorted({str(path.relative_to(folder)) for folder in folders if folder.is_dir()
+                     for path in folder.glob(f"*{Path(wanted).suffix}") if path.is_file()})
+    close = difflib.get_close_matches(wanted, nearby, n=1)
+    raise ValueError(f"env.kwargs.data: no file {wanted!r} in the working directory or the config file's folder "
+                     f"(looked in {', '.join(map(str, dict.fromkeys(folders)))}); give its path, absolute or relative "
+                     f"to one of those{f'; did you mean {close[0]!r}?' if close else ''}")
 
 
 def _load_splits(data: str, eval_split: str | int | float, train_split: str, seed: int, num_train: int | None,

@@ -82,8 +82,11 @@ class Job:
     answers: dict[int, AgentAnswer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Only a stream awaits ``accepted``; its error is the one ``future`` carries, so it is never left unread.
-        self.accepted.add_done_callback(lambda done: done.cancelled() or done.exception())
+        # One error fails both futures and the handler awaits one of them: a stream only ``accepted`` (and never
+        # ``future`` when that error refuses it before its headers), any other request only ``future``. Reading
+        # both here keeps asyncio from logging the other as never retrieved.
+        for future in (self.accepted, self.future):
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def accept(self) -> None:
         """Tell the awaiting handler, from the worker thread, that the job is being generated."""
