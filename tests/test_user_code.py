@@ -392,3 +392,11 @@ def test_teamrl_serve_answers_400_naming_the_users_line(task, broken, saved_team
     assert response.status_code == 400, response.text
     message = one_line(response.json()["error"]["message"])
     assert "FactQA.observe raised TypeError" in message and task.where("observe") in message
+
+
+def test_an_item_without_a_field_the_task_reads_is_said_as_such_not_as_the_users_bug(task, saved_team, capsys):
+    # FactQA.observe reads item['fact']: free text has none. That is the input's fault, said in the input's terms.
+    assert main(["generate", str(saved_team), "--text", "a fact"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--text: {task.name}:FactQA needs items with the field 'fact'" in err
+    assert "free text will not do" in err
