@@ -17,7 +17,7 @@ load average of the machine is recorded with every cell: on a shared machine oth
 
 By default the team is a tiny one trained here for a step (digit_sum, two LoRA agents on one random tiny base,
 ``max_new_tokens`` 16); ``--team RUN_DIR/team`` serves a real one, e.g. a bundled-model team from
-``teamrl train demo_tldr_cpu steps=1 run_dir=/tmp/servteam eval.every_steps=0``.
+``teamrl train demo_tldr_cpu steps=1 run_dir=runs/servteam eval.every_steps=0`` (docs/serving.md).
 
     python benchmarks/serve_load.py [--team PATH] [--concurrency 1,8,32] [--requests 32] [--windows 10,0]
         [--methods team,single] [--threads N] [--out results.json]

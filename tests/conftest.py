@@ -132,3 +132,75 @@ def _idle_machine(monkeypatch):
     # The command line warns, on stderr, when other work keeps the machine busy (teamrl.runtime): what tests
     # print must not depend on what else the machine runs. tests/test_runtime.py sets the load it needs.
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
+
+class ServeProcess:
+    """``teamrl serve ARGV --port 0`` in a subprocess (from ``cwd``): :attr:`url` once it listens (:meth:`start`),
+    :meth:`chat` to ask it, :meth:`stop` to send SIGTERM (its exit status and stderr)."""
+
+    def __init__(self, argv: list[str], cwd=None):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, "-m", "teamrl.cli", "serve", *argv, "--port", "0"],
+                                        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.url = ""
+
+    def start(self, timeout: float = 180) -> ServeProcess:
+        import select
+
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        assert " on http://127.0.0.1:" in line, f"teamrl serve printed {line!r}; stderr: {self.stop()[1]}"
+        self.url = line.split(" on ")[1].strip().removesuffix("/v1")
+        return self
+
+    def chat(self, model: str, content: str, timeout: float = 120) -> dict:
+        """POST one user message to /v1/chat/completions; the JSON answer (an HTTP error raises)."""
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.url}/v1/chat/completions", method="POST", data=json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": content}]}).encode(),
+            headers={"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+
+    def stop(self) -> tuple[int, str]:
+        import signal
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        return code, self.process.stderr.read()
+
+
+@pytest.fixture
+def teamrl_server():
+    """Factory: ``teamrl_server(argv, cwd=None)`` -> a started :class:`ServeProcess` of ``teamrl serve ARGV --port
+    0``. After the test every server gets SIGTERM and must exit 0."""
+    servers: list[ServeProcess] = []
+
+    def start(argv: list[str], cwd=None) -> ServeProcess:
+        servers.append(ServeProcess(argv, cwd))
+        return servers[-1].start()
+
+    yield start
+    for server in servers:
+        code, stderr = server.stop()
+        assert code == 0, stderr
+
+
+@pytest.fixture(autouse=True)
+def _own_search_folders(monkeypatch):
+    """Each test starts with the import search folders it found (a config file's folder is added when it loads):
+    one CLI process reads one config, and a test's messages should not list the folders of every test before it."""
+    from teamrl import imports
+
+    monkeypatch.setattr(imports, "_search_folders", list(imports._search_folders))

@@ -136,3 +136,26 @@ def test_an_env_name_override_leaves_out_the_env_kwargs_the_file_wrote_for_its_o
         assert load_config("demo_tldr_cpu", ["env.name=tldr"]).env.kwargs == {"source": "aclsum", "max_text_chars": 500}
         assert load_config(None, ["env.name=digit_sum", "env.kwargs.length=3"]).env.kwargs == {"length": 3}
     assert not caplog.records  # nothing was left out
+
+
+def test_an_algorithm_name_override_leaves_out_the_advantage_the_file_chose_for_magrpo(caplog):
+    # docs/quickstart.md's `teamrl train tiny_digit_sum algorithm.name=marloo`: the preset says advantage: mean.
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="teamrl.config"):
+        config = load_config("tiny_digit_sum", ["algorithm.name=marloo"])
+    assert (config.algorithm.name, config.algorithm.advantage, config.algorithm.advantage_estimator) == \
+        ("marloo", None, "rloo")
+    assert [record.getMessage() for record in caplog.records] == [
+        "algorithm.name=marloo: left out the config file's algorithm.advantage (mean); marloo's is rloo"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="teamrl.config"):
+        said = load_config("tiny_digit_sum", ["algorithm.name=marloo", "algorithm.advantage=rloo"])
+        assert said.algorithm.advantage == "rloo"
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="teamrl.config"):  # a critic reads no group estimator
+        assert load_config("tiny_digit_sum", ["algorithm.name=iac"]).algorithm.advantage is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "algorithm.name=iac: left out the config file's algorithm.advantage (mean): iac does not use it"]
+    with pytest.raises(ConfigError, match="algorithm.name='marloo' is MAGRPO with advantage 'rloo'"):
+        load_config("tiny_digit_sum", ["algorithm.name=marloo", "algorithm.advantage=mean"])  # said, so refused

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,28 @@ def test_team_card_names_roles_task_reward_and_training(exports, saved_teams):
     assert "training joint reward" in card and "config.yaml" in card
     assert "AutoPeftModelForCausalLM" in card
     assert "AutoPeftModelForCausalLM" not in (exports["lora", "merged"] / "README.md").read_text()
+
+
+def test_the_team_card_describes_the_task_in_the_users_words_not_teamrls_internals(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "facts.jsonl").write_text("".join(f'{{"fact": "fact {i}"}}\n' for i in range(6)))
+    module = f"card_rewards_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text('def score(completions, item):\n    """Both agents name the fact\'s\n'
+                                           '    number, ``exactly``."""\n    return 0.0\n')
+    config = config_from_dict({
+        "env": {"name": "dataset", "kwargs": {"data": "facts.jsonl", "prompts": ["ask {fact}", "say {fact}"],
+                                              "reward": f"{module}:score", "eval_split": 2}},
+        "team": {"model": "tiny", "training": "full", "sampling": {"max_new_tokens": 2},
+                 "agents": [{"name": "first"}, {"name": "second"}]},
+        "algorithm": {"num_generations": 2}, "steps": 1, "run_dir": str(tmp_path / "run"),
+        "logging": {"progress_bar": False}, "eval": {"every_steps": 0}})
+    with Trainer(config) as trainer:
+        card = (export_team(trainer.save_team(), tmp_path / "out", format="merged") / "README.md").read_text()
+    assert ("`DatasetTask`: A task from a dataset, a prompt template per agent and a reward function (no class to "
+            "write).") in card
+    assert (f"the task's reward function `{module}:score` of the agents' outputs in seat order (at most 1.0 a turn): "
+            f"Both agents name the fact's number, `exactly`.") in card
+    assert "teamrl.envs.checks" not in card and ":mod:" not in card
 
 
 def test_peft_adapters_name_their_base_by_absolute_path_or_exactly_the_base_path_given(saved_teams, exports,

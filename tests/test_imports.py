@@ -56,6 +56,8 @@ def test_errors_name_the_field_the_path_and_where_it_looked(tmp_path, monkeypatc
     fine = _unique_module(tmp_path, "x = 1\n")
     with pytest.raises(ImportPathError, match=f"env.name: module '{fine}' .* has no 'Task'"):
         load_object(f"{fine}:Task", "env.name")
+    with pytest.raises(ImportPathError, match=f"no module named '{fine}x' .* or install it; did you mean '{fine}'\\?$"):
+        load_object(f"{fine}x:x", "env.name")
     with pytest.raises(ImportPathError, match="not an import path"):
         load_object("justaname", "env.kwargs.reward")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -107,3 +109,103 @@ def test_a_task_defined_where_no_process_can_import_it_is_said_before_training(t
         team_dir = trainer.save_team()
     assert main(["generate", str(team_dir), "--split", "eval"]) == 2
     assert "cannot be built again" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A run and its team, used from any folder: what a new process needs to rebuild the task is written down
+
+
+DECORATED = TASK.replace("from teamrl import Environment, RewardResult",
+                         "from teamrl import Environment, RewardResult, register_env").replace(
+    "class FactQA(", '@register_env("NAME")\nclass FactQA(')
+FACTS = [{"fact": f"fact {i} is {i * 3}"} for i in range(6)]
+REWARD = "def score(completions, item):\n    return float(item['fact'].split()[-1] in completions[1])\n"
+
+
+@pytest.fixture
+def project(tmp_path, tiny_config_data):
+    """A user's folder: a task class registered by name (@register_env) and a dataset task (data file and reward
+    module), each with a config whose run_dir and data are relative, as docs/environments.md writes them."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    tag = uuid.uuid4().hex[:8]
+    (folder / f"fact_tasks_{tag}.py").write_text(DECORATED.replace("NAME", f"fact_qa_{tag}"))
+    (folder / f"qa_rewards_{tag}.py").write_text(REWARD)
+    (folder / "facts.jsonl").write_text("".join(json.dumps(fact) + "\n" for fact in FACTS))
+    envs = {"class": {"name": f"fact_tasks_{tag}:FactQA", "kwargs": {"num_facts": 5}},
+            "dataset": {"name": "dataset", "kwargs": {
+                "data": "facts.jsonl", "eval_split": 2, "reward": f"qa_rewards_{tag}:score",
+                "prompts": ["ask about {fact}", "answer about {fact}"]}}}
+    for name, env in envs.items():
+        data = tiny_config_data(steps=2, env=env, algorithm={"num_generations": 2}, run_dir=f"runs/{name}",
+                                checkpoint={"save_every": 1})
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    return folder, tag
+
+
+def _train_in(folder, monkeypatch, *configs: str) -> None:
+    monkeypatch.chdir(folder)
+    for config in configs:
+        assert main(["train", config]) == 0
+
+
+def test_a_registered_class_is_recorded_by_its_module_and_folder(project, monkeypatch):
+    folder, tag = project
+    _train_in(folder, monkeypatch, "class.yaml")
+    manifest = json.loads((folder / "runs" / "class" / "team" / "team.json").read_text())
+    # Not the registered name: a new process knows it only once the module is imported.
+    assert manifest["env"] == {"name": f"fact_tasks_{tag}:FactQA", "kwargs": {"num_facts": 5},
+                               "folders": [str(folder.resolve())]}
+
+
+def test_the_runs_config_holds_absolute_paths_and_its_run_follows_it_when_moved(project, tmp_path, monkeypatch,
+                                                                                capsys):
+    from teamrl.config import load_config
+
+    folder, tag = project
+    _train_in(folder, monkeypatch, "dataset.yaml")
+    run = folder / "runs" / "dataset"
+    written = yaml.safe_load((run / "config.yaml").read_text())
+    assert written["run_dir"] == str(run.absolute())
+    assert written["env"]["kwargs"]["data"] == str(folder / "facts.jsonl")
+    assert written["env"]["folders"] == [str(folder.resolve())]  # where qa_rewards_TAG.py is imported from
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    run.rename(moved)
+    monkeypatch.chdir(moved.parent)
+    assert load_config("moved/config.yaml").run_dir == "moved"  # the run is where its config is now
+    assert load_config("moved/config.yaml", ["run_dir=other"]).run_dir == "other"  # unless overridden
+    capsys.readouterr()
+    assert main(["train", "moved/config.yaml", "steps=3", "--resume"]) == 0, capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (moved / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_generate_eval_serve_and_resume_work_in_new_processes_from_another_folder(project, tmp_path, monkeypatch,
+                                                                                   teamrl_server):
+    """What the saved team and the run's config.yaml record is enough for a new process in another folder: for a
+    class registered by name and for the dataset task, moved to another folder after training."""
+    folder, tag = project
+    _train_in(folder, monkeypatch, "class.yaml", "dataset.yaml")
+    moved = tmp_path / "moved-dataset"
+    (folder / "runs" / "dataset").rename(moved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    def teamrl(*argv) -> str:
+        done = subprocess.run([sys.executable, "-m", "teamrl.cli", *map(str, argv)], cwd=elsewhere,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"teamrl {' '.join(map(str, argv))}: {done.stderr}"
+        return done.stdout
+
+    for run, item in ((folder / "runs" / "class", {"fact": "fact 7 is 21", "answer": "21"}),
+                      (moved, {"fact": "fact 7 is 21"})):
+        assert "=== eval-" in teamrl("generate", run / "team", "--split", "eval", "--limit", "1")
+        teamrl("eval", run / "config.yaml", "--methods", f"concat,team:{run / 'team'}", "--max-items", "1")
+        assert (run / "eval" / "results.md").is_file()  # RUN_DIR/eval: the run where its config.yaml is now
+        server = teamrl_server([str(run / "team")], cwd=elsewhere)
+        answer = server.chat(run.name, json.dumps(item))
+        assert len(answer["choices"][0]["message"]["agent_outputs"]) == 2
+    teamrl("train", moved / "config.yaml", "steps=3", "--resume")
+    assert json.loads((moved / "team" / "team.json").read_text())["step"] == 3

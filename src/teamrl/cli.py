@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ConfigError, ValueError, FileNotFoundError) as err:
+        from teamrl.user_code import raised_in_user_code, traceback_wanted
+
+        if traceback_wanted(getattr(args, "verbose", False)):
+            traceback.print_exc()
+        elif raised_in_user_code(err):
+            err = f"{err} (--verbose or TEAMRL_TRACEBACK=1 shows the traceback)"
         print(f"teamrl: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # training's TrainingInterrupted says what was saved and how to resume
@@ -447,10 +454,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _observations(env: Environment, env_name: str, items: list[Item], source: str) -> list[list[str]]:
     """Each item's observations; an item without a field the task reads is named with what it needs."""
     from teamrl.envs.checks import first_observations
+    from teamrl.user_code import missing_field
 
     try:
         return first_observations(env, items)
-    except KeyError as err:
+    except (KeyError, ValueError) as raised:
+        err = missing_field(raised)
+        if err is None:
+            raise
         fields = ", ".join(env.items("eval")[0])
         hint = ("free text will not do: run it on --split eval, or on --input-file with JSONL items that have "
                 "those fields") if source == "--text" else "give every item those fields"

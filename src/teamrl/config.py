@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from teamrl.registry import ADVANTAGES, AGGREGATIONS, ALGORITHMS
+from teamrl.run_dir import is_run_config
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,9 @@ class EnvConfig:
     name: str = _doc("The task: a registered environment (`teamrl envs`), 'dataset' (a task from data, prompts and "
                      "a reward function: docs/environments.md) or your class as module:Class.", "digit_sum")
     kwargs: dict = _doc("Keyword arguments passed to the environment's constructor.", factory=dict)
+    folders: list[str] = _doc(
+        "Folders your modules (module:Class, and module:function in kwargs) are imported from, besides the config "
+        "file's folder and the working directory; a run's config.yaml records them.", factory=list)
 
 
 @dataclass
@@ -605,7 +609,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             from teamrl.imports import add_search_folder
 
             add_search_folder(file.parent)  # users' modules the config names (module:function) sit beside it
+        if is_run_config(file):  # the run is where its config.yaml is now, wherever it was written
+            data["run_dir"] = str(file.parent)
     _drop_kwargs_of_another_env(data, overrides or [])
+    _drop_settings_of_another_algorithm(data, overrides or [])
     for override in overrides or []:
         _apply_override(data, override)
     return config_from_dict(data)
@@ -682,6 +689,28 @@ def _drop_kwargs_of_another_env(data: dict[str, Any], overrides: list[str]) -> N
     dropped = env.pop("kwargs")
     log.warning("env.name=%s: left out the config file's env.kwargs (%s), written for %s; %s's come from "
                 "env.kwargs.FIELD=VALUE overrides", names[-1], ", ".join(map(str, dropped)), file_name, names[-1])
+
+
+def _drop_settings_of_another_algorithm(data: dict[str, Any], overrides: list[str]) -> None:
+    """Leave out the config file's ``algorithm.*`` settings that an ``algorithm.name=`` override's algorithm does not
+    read (its class's ``ignores``: a critic's for MAGRPO, MAGRPO's estimator for a critic) or fixes otherwise
+    (``marloo``'s estimator is rloo), each with a one-line note: the file chose them for its own algorithm (every
+    preset picks MAGRPO's estimator), and the new name makes another choice. The same setting given as an override
+    is still refused: it was said for this run."""
+    overridden = [(key, _override_value(raw)) for key, _, raw in (o.partition("=") for o in overrides)]
+    names = [value for key, value in overridden if key == "algorithm.name"]
+    algorithm = data.get("algorithm")
+    if not names or not isinstance(names[-1], str) or names[-1] not in ALGORITHMS or not isinstance(algorithm, dict):
+        return
+    name, said = names[-1], {key for key, _ in overridden}
+    fixed = ALGORITHMS.properties(name).get("advantage")
+    if fixed is not None and algorithm.get("advantage") not in (None, fixed) and "algorithm.advantage" not in said:
+        log.warning("algorithm.name=%s: left out the config file's algorithm.advantage (%s); %s's is %s", name,
+                    algorithm.pop("advantage"), name, fixed)
+    for field_name in getattr(ALGORITHMS.lookup(name), "ignores", ()):
+        if field_name in algorithm and f"algorithm.{field_name}" not in said:
+            log.warning("algorithm.name=%s: left out the config file's algorithm.%s (%s): %s does not use it", name,
+                        field_name, algorithm.pop(field_name), name)
 
 
 def _override_value(raw: str) -> Any:

@@ -23,8 +23,10 @@ export leaves nothing half-written behind.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
+import re
 import shutil
 import textwrap
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from teamrl import __version__
+from teamrl.imports import load_object
 from teamrl.run_dir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, TEAM_DIR
 
 FORMATS = ("peft", "merged")
@@ -587,14 +590,35 @@ def _task_description(env, manifest: dict[str, Any], env_problem: str | None) ->
     if env is None:
         lines.append(f"(The task could not be built here to describe it: {env_problem}.)")
         return lines
-    doc = (type(env).__doc__ or "").strip()
+    doc = _summary(type(env))
     if doc:
-        lines += [f"`{type(env).__name__}`: {doc.split(chr(10) + chr(10))[0]}", ""]
-    reward_doc = (type(env).joint_reward.__doc__ or "").strip()
-    lines.append("Reward: one joint reward for all agents, the task's `joint_reward(item, actions)` of the agents' "
-                 f"outputs in seat order (at most {getattr(env, 'max_reward', 1.0)} a turn)"
-                 + (f": {reward_doc.split(chr(10) + chr(10))[0]}" if reward_doc else "."))
+        lines += [f"`{type(env).__name__}`: {doc}", ""]
+    # The reward's own words where a user wrote them (the dataset task's reward function, a task class's method);
+    # teamrl's docstrings of its built-in tasks speak of its internals.
+    function = env.function_behind("joint_reward")
+    if function is not None:
+        scorer, reward_doc = f"reward function `{function}`", _summary(_object_or_none(function))
+    else:
+        method = type(env).joint_reward
+        scorer = "`joint_reward(item, actions)`"
+        reward_doc = "" if method.__module__.partition(".")[0] == "teamrl" else _summary(method)
+    lines.append(f"Reward: one joint reward for all agents, the task's {scorer} of the agents' outputs in seat order "
+                 f"(at most {getattr(env, 'max_reward', 1.0)} a turn)" + (f": {reward_doc}" if reward_doc else "."))
     return lines
+
+
+def _summary(obj: Any) -> str:
+    """The first paragraph of ``obj``'s own docstring (not one it inherits) on one line, its reST markup (``code``,
+    :class:`Name`) as Markdown."""
+    paragraph = " ".join(inspect.cleandoc(getattr(obj, "__doc__", None) or "").split("\n\n")[0].split())
+    return re.sub(r"(?::\w+:)?``?~?([^`]+?)``?", r"`\1`", paragraph)
+
+
+def _object_or_none(path: str) -> Any:
+    try:
+        return load_object(path, "reward")
+    except ValueError:
+        return None
 
 
 def _team_card(team_dir: Path, manifest: dict[str, Any], agents: list[_AgentEntry], format: str,

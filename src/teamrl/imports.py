@@ -14,6 +14,7 @@ where it looked.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -65,8 +66,9 @@ def load_object(path: str, field: str) -> Any:
     value: Any = module
     for part in attribute.split("."):
         if not hasattr(value, part):
+            names = [name for name in dir(value) if not name.startswith("_")]
             raise ImportPathError(f"{field}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-                                  f"{attribute!r}")
+                                  f"{attribute!r}{_did_you_mean(part, names)}")
         value = getattr(value, part)
     return value
 
@@ -135,9 +137,16 @@ def import_module(module_name: str, field: str) -> Any:
                 raise ImportPathError(f"{field}: importing {module_name!r} from {folder} failed: "
                                       f"{type(err).__name__}: {err}") from None
     where = ", ".join(str(folder) for folder in search_folders())
+    nearby = [path.stem for folder in search_folders() if folder.is_dir() for path in folder.glob("*.py")]
     raise ImportPathError(f"{field}: no module named {module_name!r} (looked in the installed packages and in "
                           f"{where}); put {module_name.replace('.', '/')}.py in the config file's folder or the "
-                          f"working directory, or install it")
+                          f"working directory, or install it{_did_you_mean(module_name, nearby)}")
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the candidate closest to a misspelt ``name``, or nothing."""
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _is_missing(err: ModuleNotFoundError, module_name: str) -> bool:

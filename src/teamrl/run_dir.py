@@ -13,8 +13,10 @@ This module imports neither torch nor transformers: the checks must cost nothing
 from __future__ import annotations
 
 import contextvars
+import copy
 import datetime
 import fcntl
+import functools
 import json
 import os
 import shlex
@@ -61,9 +63,44 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def resume_command(run_dir: str | Path) -> str:
-    """The command that continues the run in ``run_dir`` from its newest checkpoint. The run's own
-    ``config.yaml`` (written when training starts) holds every setting, overrides included."""
-    return f"teamrl train {shlex.quote(str(Path(run_dir) / CONFIG_FILE))} --resume"
+    """The command that continues the run in ``run_dir`` from its newest checkpoint, from any folder. The run's
+    own ``config.yaml`` (written when training starts, :func:`run_config`) holds every setting, overrides
+    included."""
+    return f"teamrl train {shlex.quote(str(Path(run_dir).absolute() / CONFIG_FILE))} --resume"
+
+
+def is_run_config(file: Path) -> bool:
+    """Whether ``file`` is a run's own ``config.yaml``: named so, in a folder that holds the run's metrics or
+    checkpoints. Its run is that folder, wherever the run directory has been moved since."""
+    return file.name == CONFIG_FILE and any((file.parent / name).exists() for name in (METRICS_FILE, CHECKPOINTS_DIR))
+
+
+#: Config fields that name a model (``team.agents[i].model`` too): a local path among them is written absolute.
+MODEL_FIELDS = (("team", "model"), ("algorithm", "critic", "model"), ("algorithm", "reward_model", "model"))
+
+
+def run_config(data: dict, run_dir: str | Path, task: dict | None = None) -> dict:
+    """The run's ``config.yaml`` (``data``: the config as plain data), which resumes and evaluates the run from any
+    working directory: ``run_dir`` and local model paths absolute, and ``env`` the task that runs (``task``, its
+    :func:`~teamrl.envs.base.env_record`: data files absolute, with the folders of the user's modules), not a
+    relative path or a module only the starting folder had."""
+    data = copy.deepcopy(data)
+    data["run_dir"] = str(Path(run_dir).absolute())
+    if task is not None and "unavailable" not in task:
+        data["env"] = {"name": task["name"], "kwargs": task.get("kwargs", {}), "folders": task.get("folders", [])}
+    for agent in data["team"]["agents"]:
+        agent["model"] = _absolute_model(agent["model"])
+    for *sections, name in MODEL_FIELDS:
+        section = functools.reduce(dict.__getitem__, sections, data)
+        section[name] = _absolute_model(section[name])
+    return data
+
+
+def _absolute_model(spec: str | None) -> str | None:
+    """``spec`` as an absolute path when it names a local file or folder (not 'tiny' or 'bundled'), else as it is."""
+    if not spec or spec == "tiny" or spec.partition(":")[0] == "bundled" or not Path(spec).expanduser().exists():
+        return spec
+    return str(Path(spec).expanduser().absolute())
 
 
 #: Whether the advice of run-directory messages names the ``teamrl`` command's flags (set by ``teamrl.cli.main``

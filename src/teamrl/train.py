@@ -36,7 +36,7 @@ from teamrl.checkpoint import (
     save_checkpoint,
 )
 from teamrl.config import TrainConfig, config_to_dict
-from teamrl.envs.base import Environment, Item, env_record, make_env
+from teamrl.envs.base import Environment, Item, configured_env, env_record
 from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
@@ -57,9 +57,11 @@ from teamrl.run_dir import (
     clear_run_outputs,
     complete_checkpoints,
     how_to_resume,
+    run_config,
 )
 from teamrl.runtime import seed_everything
 from teamrl.team import Team
+from teamrl.user_code import UserCodeError
 
 if TYPE_CHECKING:
     from teamrl.backends.ray import RayTeam
@@ -94,8 +96,9 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class TrainingStopped(ValueError):
-    """Training stopped before learning from what it cannot use: the task's code returned a wrong or
-    non-finite value (:class:`~teamrl.envs.checks.EnvironmentOutputError`), an update's gradients were not
+    """Training stopped before learning from what it cannot use: the task's code raised an exception
+    (:class:`~teamrl.user_code.UserCodeError`) or returned a wrong or non-finite value
+    (:class:`~teamrl.envs.checks.EnvironmentOutputError`), an update's gradients were not
     finite, or a checkpoint's weights were. The message says at which step, why, and which checkpoint is
     kept (every one on disk is finite) with the command that resumes from it."""
 
@@ -150,7 +153,7 @@ class Trainer:
             _require("wandb", "logging.wandb_project")
         seed_everything(config.seed)
         # The algorithm's view of the task (centralized: one agent doing every seat's part).
-        self.task = env if env is not None else make_env(config.env.name, **config.env.kwargs)
+        self.task = env if env is not None else configured_env(config.env.name, config.env.kwargs, config.env.folders)
         """The task as given or configured (:attr:`env` is the algorithm's view of it)."""
         self.env = make_environment(config, self.task)
         self._task_record = task_record(self.task)
@@ -173,12 +176,12 @@ class Trainer:
         """One step on the next batch of items (the rollout, then the algorithm's learning); returns its metrics.
 
         Raises:
-            TrainingStopped: the task returned a value that cannot be learnt from, or an update's gradients
-                were not finite; the optimiser step that would have used it was not taken.
+            TrainingStopped: the task's code raised, or returned a value that cannot be learnt from, or an
+                update's gradients were not finite; the optimiser step that would have used it was not taken.
         """
         try:
             return self._rollout_and_learn()
-        except (EnvironmentOutputError, NonFiniteUpdate) as err:
+        except (UserCodeError, EnvironmentOutputError, NonFiniteUpdate) as err:
             raise self._stopped(self.step + 1, err) from err
 
     def _rollout_and_learn(self) -> dict[str, float]:
@@ -233,7 +236,8 @@ class Trainer:
         keeping the last checkpoint.
         """
         config = self.config
-        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        run_settings = run_config(config_to_dict(config), self.run_dir, self._task_record)
+        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(run_settings, sort_keys=False))
         self._open_writers()
         history = []
         progress = _progress(config, initial=self.step)
@@ -310,15 +314,16 @@ class Trainer:
         except NonFiniteWeights as err:
             raise self._stopped(self.step, err) from err
 
-    def _stopped(self, step: int, err: Exception) -> TrainingStopped:
-        """Why training stops at ``step`` (``err``), and what it keeps on disk: the newest checkpoint, with the
-        command that resumes from it, or none."""
+    def _stopped(self, step: int, err: Exception, when: str = "") -> TrainingStopped:
+        """Why training stops at ``step`` (``err``, ``when`` in the step), and what it keeps on disk: the newest
+        checkpoint, with the command that resumes from it, or none."""
         kept = complete_checkpoints(self.run_dir)
         what = (f"the last checkpoint, {kept[0]}, is kept; fix the cause, then resume with: "
                 f"{how_to_resume(self.run_dir)}" if kept
                 else f"no checkpoint was written yet: fix the cause, then start again {ask_for('overwrite')}")
-        when = ", before its update" if isinstance(err, EnvironmentOutputError) else ""
-        return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{when}: {err}; {what}")
+        when = when or ("before its update" if isinstance(err, (UserCodeError, EnvironmentOutputError)) else "")
+        return TrainingStopped(f"training stopped at step {step} of {self.config.steps}{', ' + when if when else ''}: "
+                               f"{err}; {what}")
 
     def evaluate(self, split: str = "eval", num_samples: int = 1, max_items: int | None = None,
                  seed: int | None = None, items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> dict[str, float]:
@@ -385,8 +390,11 @@ class Trainer:
         log it under ``eval/...``. Its own seed keeps training's samples as they would be without it."""
         settings = self.config.eval
         began = time.perf_counter()
-        metrics, samples = self.evaluate_with_samples(num_samples=settings.samples, max_items=settings.items,
-                                                      seed=settings.seed)
+        try:
+            metrics, samples = self.evaluate_with_samples(num_samples=settings.samples, max_items=settings.items,
+                                                          seed=settings.seed)
+        except (UserCodeError, EnvironmentOutputError) as err:
+            raise self._stopped(self.step, err, "in its held-out evaluation") from err
         seconds = time.perf_counter() - began
         record = {"step": self.step, **metrics, "items": len(samples) // settings.samples,
                   "samples": settings.samples, "seconds": seconds}

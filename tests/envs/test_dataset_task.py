@@ -139,8 +139,16 @@ def test_a_template_field_the_data_lacks_fails_at_construction_naming_the_item(t
     (folder / "broken.jsonl").write_text('{"fact": "f"}\n{"fact": oops}\n')
     with pytest.raises(ValueError, match=r"env.kwargs.data: .*broken.jsonl:2: not valid JSON"):
         make_env("dataset", data="broken.jsonl", prompts=["{fact}"], reward=f"{module}:as_number")
-    with pytest.raises(ValueError, match="env.kwargs.data: .*nothing.jsonl: no such file"):
-        make_env("dataset", data="nothing.jsonl", prompts=["{fact}"], reward=f"{module}:as_number")
+    # Where it looked, and the name meant.
+    with pytest.raises(ValueError, match=rf"^env.kwargs.data: no file 'fatcs.jsonl' in the working directory or the "
+                                         rf"config file's folder \(looked in {folder}\); give its path, absolute or "
+                                         rf"relative to one of those; did you mean 'facts.jsonl'\?$"):
+        make_env("dataset", data="fatcs.jsonl", prompts=["{fact}"], reward=f"{module}:as_number")
+    with pytest.raises(ValueError, match=f"env.kwargs.reward: module '{module}' .* has no 'as_numbr'; did you mean "
+                                         f"'as_number'\\?$"):
+        _task(module, "as_numbr")
+    with pytest.raises(ValueError, match=f"env.kwargs.data: .*{folder / 'nothing.jsonl'}: no such file"):
+        make_env("dataset", data=str(folder / "nothing.jsonl"), prompts=["{fact}"], reward=f"{module}:as_number")
 
 
 def test_individual_rewards_and_multi_turn_feedback(task_folder):

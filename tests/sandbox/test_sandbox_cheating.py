@@ -323,4 +323,7 @@ def test_oversized_answers_fail_the_test_not_the_grader(bubblewrap):
     with SandboxPool(limits, workers=1) as small_pool:
         record = small_pool.run([Program("def big():\n    return 'x' * (40 << 20)\n", ["assert big() == 'x'"])])[0]
     (outcome,) = record.tests
-    assert not outcome.passed and outcome.error_type == "NoResult" and "bytes" in outcome.message
+    # The judge refuses the answer for its size; without a memory cgroup (an unprivileged user without
+    # delegation) each process gets its share of the cap, and the program's cannot even build the answer.
+    assert not outcome.passed and outcome.error_type == "NoResult", outcome
+    assert "bytes" in outcome.message or (record.memory_peak_bytes is None and "without answering" in outcome.message)

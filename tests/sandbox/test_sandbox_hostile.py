@@ -225,27 +225,42 @@ def test_forged_results_on_stdout_and_descriptors_do_not_count(pool):
     assert [(o.passed, o.error_type) for o in exited.tests] == [(False, "SystemExit"), (False, "AssertionError")]
 
 
-def test_the_driver_descriptors_are_out_of_reach(pool):
+def test_the_driver_descriptors_are_out_of_reach(pool, bubblewrap):
+    """No descriptor of the driver or a judge can be listed or opened. Run unprivileged (not as root), bubblewrap's
+    own init (PID 1, under the program's user too) can be reached, and holds only the sandbox's standard streams:
+    the job on stdin, read whole by the driver before the program starts, and the program's own stdout, stderr."""
     probe = (
         "import os\n"
-        "def reach():\n"
-        "    reached = []\n"
-        "    for pid in os.listdir('/proc'):\n"
-        "        if not pid.isdigit() or int(pid) == os.getpid():\n"
-        "            continue\n"
+        "def others():\n"
+        "    return [pid for pid in os.listdir('/proc') if pid.isdigit() and int(pid) != os.getpid()]\n"
+        "def listed():\n"
+        "    found = []\n"
+        "    for pid in others():\n"
         "        try:\n"
-        "            reached.append(os.listdir(f'/proc/{pid}/fd'))\n"
+        "            os.listdir(f'/proc/{pid}/fd')\n"
+        "            found.append(pid)\n"
         "        except OSError:\n"
         "            pass\n"
+        "    return found\n"
+        "def opened():\n"
+        "    found = []\n"
+        "    for pid in others():\n"
         "        for fd in range(64):\n"
         "            try:\n"
         "                os.close(os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY))\n"
-        "                reached.append((pid, fd))\n"
+        "                found.append((pid, fd, os.readlink(f'/proc/{pid}/fd/{fd}').split(':')[0]))\n"
         "            except OSError:\n"
         "                pass\n"
-        "    return reached\n"
+        "    return found\n"
+        "def init():\n"
+        "    return os.path.basename(open('/proc/1/cmdline').read().split(chr(0))[0])\n"
     )
-    record = pool.run([Program(probe, ["assert reach() == []"])])[0]
+    if bubblewrap.privileged:
+        tests = ["assert listed() == []", "assert opened() == []"]
+    else:
+        tests = ["assert init() == 'bwrap'", "assert listed() == ['1']",
+                 "assert opened() == [('1', 0, 'pipe'), ('1', 1, 'pipe'), ('1', 2, 'pipe')]"]
+    record = pool.run([Program(probe, tests)])[0]
     assert record.all_passed, record.tests
 
 
@@ -422,12 +437,20 @@ def test_graded_code_cannot_reach_kernel_interfaces_it_does_not_need(pool):
 
 
 def test_site_packages_are_hidden_from_the_program(pool):
+    """The directory an installed package lies in shows the program nothing, whatever the layout: an empty
+    folder where the sandbox binds it (a system or pyenv Python's own site-packages), or no folder at all
+    where it binds nothing (a virtual environment's, e.g. under /tmp)."""
     import yaml  # installed with teamrl, so its directory exists on the host
 
     code = ("import importlib.util, os\n"
             "def visible(name):\n    return importlib.util.find_spec(name) is not None\n"
-            f"def listing():\n    return os.listdir({os.path.dirname(os.path.dirname(yaml.__file__))!r})\n")
-    record = pool.run([Program(code, ["assert visible('yaml') is False", "assert listing() == []",
+            "def listing(path):\n    try:\n        return os.listdir(path)\n"
+            "    except FileNotFoundError:\n        return []\n"
+            "def readable(path):\n    try:\n        open(path).close()\n    except OSError:\n"
+            "        return False\n    return True\n")
+    site_packages = os.path.dirname(os.path.dirname(yaml.__file__))
+    record = pool.run([Program(code, ["assert visible('yaml') is False", f"assert listing({site_packages!r}) == []",
+                                      f"assert readable({yaml.__file__!r}) is False",
                                       "assert visible('json') is True"])])[0]
     assert record.all_passed, record.tests
 

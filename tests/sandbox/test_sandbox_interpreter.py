@@ -152,6 +152,16 @@ print(json.dumps([{"passed": o.passed, "error": o.error_type, "message": o.messa
 """
 
 
+def _teamrl_import_path() -> list[str]:
+    """Where the grading venv's python finds this checkout's teamrl and the sandbox's own dependency (pyseccomp):
+    this interpreter's package directories. The venv's system site-packages are its base interpreter's, which
+    hold them only in some layouts (not where this interpreter is itself a venv on a bare pyenv or system
+    Python); the sandbox hides every one of them from the graded program either way."""
+    src = str(Path(teamrl.__file__).resolve().parents[1])  # this checkout, not another install
+    paths = sysconfig.get_paths()
+    return [src, *dict.fromkeys([paths["purelib"], paths["platlib"], *site.getsitepackages()])]
+
+
 @pytest.fixture(scope="module")
 def venv_under_scratch():
     """A virtual environment (with the system site-packages, as a trainer's often is) in a directory of
@@ -175,12 +185,11 @@ def test_a_venv_under_tmp_shows_only_the_base_standard_library(venv_under_scratc
     """Graded from a venv's python: neither the venv nor any site-packages (its own, its base
     interpreter's, the system's) shows, and its interpreter, a link to the base one, runs inside."""
     python, purelib = venv_under_scratch
-    src = str(Path(teamrl.__file__).resolve().parents[1])  # this checkout, not another install
     base = os.path.realpath(python)
     package_dirs = [os.path.dirname(os.path.dirname(python)), *_host_package_dirs(purelib)]  # the venv too
     job = {"code": PROBE, "tests": _probe_tests(package_dirs, _package_files(f"{purelib}/{CANARY}.py"), base)}
     graded = subprocess.run([python, "-c", GRADE_FROM_STDIN], input=json.dumps(job), capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": src})
+                            timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(_teamrl_import_path())})
     assert graded.returncode == 0, graded.stderr
     outcomes = json.loads(graded.stdout)
     assert len(outcomes) == len(job["tests"]) and _failures(outcomes) == []

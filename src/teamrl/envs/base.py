@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from teamrl.registry import Registry
 from teamrl.rewards.base import RewardResult
+from teamrl.user_code import user_method
 
 Item = dict[str, Any]
 
@@ -60,6 +61,18 @@ class Environment(ABC):
     splits: dict[str, Sequence[Item]]
     """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor. An item
     without an ``id`` gets ``"SPLIT-INDEX"`` (reports, samples and pairings name items by id)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A user's task class (one defined outside teamrl) has the methods it defines of :data:`USER_METHODS`
+        marked as user code: an exception they raise stops teamrl with one line naming the method, the item
+        and the line of the user's file (:mod:`teamrl.user_code`), wherever teamrl calls them."""
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.partition(".")[0] == "teamrl":
+            return
+        for name in USER_METHODS:
+            method = cls.__dict__.get(name)
+            if inspect.isfunction(method):
+                setattr(cls, name, user_method(cls.__qualname__, method))
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Environment:
         env = super().__new__(cls)
@@ -210,6 +223,11 @@ def sparse_too_short(field: str, num_turns: int, pay_turn: int, turns_field: str
             f"env.kwargs.{turns_field}) or use the shaped reward (env.kwargs.sparse: false), whose turns add up to "
             f"the same return")
 
+USER_METHODS = ("observe", "next_observations", "joint_reward", "joint_rewards", "individual_rewards",
+                "individual_rewards_many", "single_agent_observation", "split_single_agent_output",
+                "teammates_observation", "cooperation_scheme", "test_pass_rate")
+"""The methods teamrl calls on a task with an item (or a batch of them) and whose exceptions it reports as the
+user's (:meth:`Environment.__init_subclass__`)."""
 
 VOCABULARY_ITEMS = 1000
 """Items per split whose observations the default :meth:`Environment.vocabulary` reads."""
@@ -265,7 +283,10 @@ def env_record(env: Environment) -> dict[str, Any]:
     from teamrl.imports import import_path_of, module_folder
 
     cls = type(env)
-    name = next((key for key, factory in ENVIRONMENTS.items() if factory is cls), None) or import_path_of(cls)
+    # A user's class by module:Class even when it registered a name (@register_env): a new process knows the
+    # name only once that module is imported, which the import path does.
+    registered = next((key for key, factory in ENVIRONMENTS.items() if factory is cls), None)
+    name = registered if cls.__module__.partition(".")[0] == "teamrl" else import_path_of(cls)
     if name is None:
         raise ValueError(f"{cls.__qualname__} is defined in {cls.__module__!r}, where another process cannot "
                          f"import it: define it in a module file (e.g. my_tasks.py) and import it from there")
@@ -302,11 +323,16 @@ def saved_team_task(team_dir: str | Path) -> tuple[dict[str, Any], Environment]:
 
 def rebuild_env(record: dict[str, Any]) -> Environment:
     """The environment a :func:`env_record` describes (as a saved team's ``team.json`` holds it)."""
-    from teamrl.imports import add_search_folder
-
     if "unavailable" in record:
         raise ValueError(f"team.json: this team's task, {record['name']}, cannot be built again: "
                          f"{record['unavailable']}; in Python, pass it: Team.from_pretrained(path, env=...)")
-    for folder in record.get("folders", ()):
+    return configured_env(record["name"], record.get("kwargs", {}), record.get("folders", ()))
+
+
+def configured_env(name: str, kwargs: dict[str, Any], folders: Sequence[str] = ()) -> Environment:
+    """:func:`make_env` of a config's ``env`` section: ``folders`` (where the user's modules are) searched first."""
+    from teamrl.imports import add_search_folder
+
+    for folder in folders:
         add_search_folder(folder)
-    return make_env(record["name"], **record.get("kwargs", {}))
+    return make_env(name, **kwargs)

@@ -18,6 +18,7 @@ from typing import Any
 from teamrl.envs.base import Environment, Item, Step
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.rewards.base import RewardResult
+from teamrl.user_code import OneLineError
 
 #: Longest repr of a returned value an error message quotes.
 MAX_VALUE_CHARS = 160
@@ -28,7 +29,7 @@ _ONE_AT_A_TIME = {"joint_rewards": "joint_reward", "individual_rewards_many": "i
 Request = tuple[Item, Sequence[str], Sequence[Step]]
 
 
-class EnvironmentOutputError(ValueError):
+class EnvironmentOutputError(OneLineError):
     """A task's method returned something teamrl cannot use (the wrong type or number of values, or a
     non-finite number). A ValueError, so ``teamrl`` reports it as ``teamrl: error: ...``."""
 

@@ -25,6 +25,7 @@ this (its own observations per turn, batched grading), subclass :class:`~teamrl.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 import string
@@ -37,6 +38,7 @@ from teamrl.envs.base import Environment, Item, Step, register_env
 from teamrl.envs.checks import EnvironmentOutputError, short_repr
 from teamrl.imports import import_path_of, load_object, search_folders
 from teamrl.rewards.base import RewardResult
+from teamrl.user_code import user_code
 
 _PART_LABEL = re.compile(r"^\s*\**Part (\d+)\s*:\**", re.MULTILINE | re.IGNORECASE)
 
@@ -147,7 +149,8 @@ class DatasetTask(Environment):
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         if self.feedback_fn is None:
             return super().next_observations(item, history)
-        texts = self.feedback_fn(item, list(history))
+        with user_code(_name(self.feedback_fn), item):
+            texts = self.feedback_fn(item, list(history))
         if isinstance(texts, str):
             texts = [texts] * self.num_agents
         if (not isinstance(texts, (list, tuple)) or len(texts) != self.num_agents
@@ -186,12 +189,14 @@ def _name(function: Callable[..., Any]) -> str:
 
 
 def _call(function: Callable[..., Any], completions: list[str], item: Item, history: Sequence[Step]) -> Any:
+    """``function(completions, item)``, the user's reward function, with ``history=`` when it takes that."""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):  # a builtin without a signature: the two plain arguments
         parameters = {}
     takes_history = "history" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    return function(completions, item, history=list(history)) if takes_history else function(completions, item)
+    with user_code(_name(function), item):
+        return function(completions, item, history=list(history)) if takes_history else function(completions, item)
 
 
 def _locate(data: str, train_split: str) -> str:
@@ -201,10 +206,17 @@ def _locate(data: str, train_split: str) -> str:
         raise ValueError(f"env.kwargs.data: give a file path or a Hugging Face dataset id (got {data!r})")
     if source_kind(data) != "file" or Path(data).expanduser().is_absolute():
         return data
-    for folder in search_folders()[::-1]:  # the working directory first, then the configs' folders
-        if (folder / data.replace("{split}", train_split)).exists():
+    folders = search_folders()[::-1]  # the working directory first, then the configs' folders
+    wanted = data.replace("{split}", train_split)
+    for folder in folders:
+        if (folder / wanted).exists():
             return str(folder / data)
-    return data
+    nearby = sorted({str(path.relative_to(folder)) for folder in folders if folder.is_dir()
+                     for path in folder.glob(f"*{Path(wanted).suffix}") if path.is_file()})
+    close = difflib.get_close_matches(wanted, nearby, n=1)
+    raise ValueError(f"env.kwargs.data: no file {wanted!r} in the working directory or the config file's folder "
+                     f"(looked in {', '.join(map(str, dict.fromkeys(folders)))}); give its path, absolute or relative "
+                     f"to one of those{f'; did you mean {close[0]!r}?' if close else ''}")
 
 
 def _load_splits(data: str, eval_split: str | int | float, train_split: str, seed: int, num_train: int | None,

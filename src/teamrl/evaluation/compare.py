@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import dataclasses
 import html
 import json
 import os
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from teamrl.algorithms.base import ALGORITHMS
-from teamrl.config import AlgorithmConfig, TrainConfig, field_default, load_config
+from teamrl.config import TrainConfig, load_config
 from teamrl.flags import option
 from teamrl.registry import RegistryError
 
@@ -69,25 +68,17 @@ def algorithm_contender(name: str, config: TrainConfig) -> Contender:
     """The contender that trains ``config`` (the task's, before any contender's overrides) with
     ``algorithm.name=name``.
 
-    Algorithms with a fixed advantage estimator (``mareinforce``, ``marloo``, ``maremax``) get
-    ``algorithm.advantage=null``, so a config that names MAGRPO's estimator does not conflict with theirs, and every
-    algorithm gets the defaults of the settings the config sets but it does not read (its class's ``ignores``: a
-    critic's settings for MAGRPO, MAGRPO's estimator for a critic), which loading would otherwise refuse;
+    The config file's settings the algorithm does not read (MAGRPO's estimator for a critic, or for ``marloo``,
+    which fixes its own) are left out when it loads with ``algorithm.name=NAME`` (:func:`~teamrl.config.load_config`);
     ``centralized`` gets one agent, the policy that writes every seat's part, with the team's token budget
     (the sum of its agents' ``max_new_tokens``), as the prompt-only ``single`` baseline has.
     """
     try:
-        fixed_advantage = ALGORITHMS.properties(name).get("advantage")
+        ALGORITHMS.resolve(name)
     except RegistryError:
         raise ValueError(f"--algorithms: unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)} "
                          f"(or give your own as module:Class)") from None
     overrides = [f"algorithm.name={name}"]
-    ignored = set(getattr(ALGORITHMS.lookup(name), "ignores", ())) | ({"advantage"} if fixed_advantage else set())
-    for field_name in sorted(ignored):
-        default = field_default(AlgorithmConfig, field_name)
-        if getattr(config.algorithm, field_name) != default:  # set by the config, not read by this contender
-            overrides.append(f"algorithm.{field_name}="
-                             f"{'{}' if dataclasses.is_dataclass(default) else json.dumps(default)}")
     if name == "centralized":
         budget = sum(agent.sampling.get("max_new_tokens", config.team.sampling.max_new_tokens)
                      for agent in config.team.agents)

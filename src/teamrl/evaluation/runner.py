@@ -31,7 +31,7 @@ import torch
 
 from teamrl._deprecated import moved_names
 from teamrl.config import TrainConfig, config_to_dict, load_config, presets, resolve_config_path
-from teamrl.envs.base import ENVIRONMENTS, Environment, Item, make_env
+from teamrl.envs.base import ENVIRONMENTS, Environment, Item, configured_env
 from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.evaluation.baselines import MethodOutput
@@ -122,7 +122,7 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
 
     Every model and saved team is loaded before anything generates, so a bad spec fails at once.
     """
-    env = make_env(config.env.name, **config.env.kwargs)
+    env = configured_env(config.env.name, config.env.kwargs, config.env.folders)
     try:
         items = list(env.items(settings.split))[: settings.max_items]
     except ValueError as err:

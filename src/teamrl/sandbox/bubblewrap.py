@@ -129,13 +129,15 @@ def package_dirs(roots: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...], *,
-                  hidden: tuple[str, ...] = (), seccomp_fd: int | None = None) -> list[str]:
+                  hidden: tuple[str, ...] = (), binds: tuple[tuple[str, str], ...] = (),
+                  seccomp_fd: int | None = None) -> list[str]:
     """The bubblewrap arguments (up to and excluding the command) for one sandbox.
 
     No network, IPC, UTS or PID sharing with the host (``--die-with-parent``: the sandbox dies with
     us; its own PID 1 takes every process in it down when the driver exits); a read-only view of the
     system directories and of ``roots`` (:func:`python_roots`), with the ``hidden`` directories under
-    them replaced by empty read-only ones; a fresh read-only ``/proc`` of the sandbox's PID namespace
+    them replaced by empty read-only ones, and of the files ``binds`` names (``(host path, sandbox path)``
+    pairs); a read-only root; a fresh read-only ``/proc`` of the sandbox's PID namespace
     (``/proc/keys`` empty); a minimal ``/dev``; a private size-limited tmpfs as the writable cwd; a
     new session (no terminal to inject keystrokes into); the seccomp filter read from ``seccomp_fd``,
     if given. In privileged mode the sandbox keeps only CAP_SETUID and CAP_SETGID, which the driver
@@ -177,6 +179,11 @@ def bwrap_command(bwrap: Bubblewrap, scratch_bytes: int, roots: tuple[str, ...],
         args += ["--ro-bind", root, root]
     for path in hidden:
         args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
+    for host_path, sandbox_path in binds:
+        args += ["--ro-bind", host_path, sandbox_path]
+    # The root is bubblewrap's own tmpfs, with no size limit: the sandbox user owns it when bubblewrap runs
+    # unprivileged (not as root), and could fill memory through it, past the scratch space's size.
+    args += ["--remount-ro", "/"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
     return args

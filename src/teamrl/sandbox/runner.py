@@ -226,9 +226,8 @@ def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_f
         return [python, "-I", "-S", compiled, str(result_fd), "-1", "-1", "0"]
     uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if backend.bwrap.privileged else -1
     sandbox = bwrap_command(backend.bwrap, limits.scratch_bytes, backend.roots, hidden=backend.hidden,
-                            seccomp_fd=seccomp_fd)
-    harness = ["--ro-bind", compiled, HARNESS_IN_SANDBOX, python, "-I", "-S", HARNESS_IN_SANDBOX]
-    return sandbox + harness + [str(result_fd), str(uid), str(uid), "1"]
+                            binds=((compiled, HARNESS_IN_SANDBOX),), seccomp_fd=seccomp_fd)
+    return sandbox + [python, "-I", "-S", HARNESS_IN_SANDBOX, str(result_fd), str(uid), str(uid), "1"]
 
 
 def _create_cgroup(backend: _Backend, limits: SandboxLimits) -> MemoryCgroup | None:

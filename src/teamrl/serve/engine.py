@@ -82,8 +82,11 @@ class Job:
     answers: dict[int, AgentAnswer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Only a stream awaits ``accepted``; its error is the one ``future`` carries, so it is never left unread.
-        self.accepted.add_done_callback(lambda done: done.cancelled() or done.exception())
+        # One error fails both futures and the handler awaits one of them: a stream only ``accepted`` (and never
+        # ``future`` when that error refuses it before its headers), any other request only ``future``. Reading
+        # both here keeps asyncio from logging the other as never retrieved.
+        for future in (self.accepted, self.future):
+            future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def accept(self) -> None:
         """Tell the awaiting handler, from the worker thread, that the job is being generated."""
@@ -177,16 +180,18 @@ class ServedTeam:
         """Each agent's observation of ``item`` (the task's ``observe``, checked). Raises RequestError (400)
         naming the fields the task needs when the item lacks one."""
         from teamrl.envs.checks import first_observations
+        from teamrl.user_code import missing_field
 
         try:
             return first_observations(self.env, [item])[0]
-        except KeyError as err:
+        except (KeyError, ValueError, TypeError) as raised:
+            err = missing_field(raised)
+            if err is None:
+                raise RequestError(f"{self.env_name} cannot read this input: {raised}", param="messages") from None
             example = json.dumps(self.example_item)[:200]
             raise RequestError(f"{self.env_name} needs items with the field {err}; send the item as a JSON object "
                                f"in the last user message's content, e.g. {example}",
                                param="messages") from None
-        except (ValueError, TypeError) as err:
-            raise RequestError(f"{self.env_name} cannot read this input: {err}", param="messages") from None
 
     def chat_prompt(self, agent: Agent, messages: Sequence[dict[str, str]]) -> str:
         """``agent``'s prompt for a chat: the messages through its chat template (its own system prompt first
