@@ -1,0 +1,456 @@
+"""Continuous batching: one decoding loop for requests that come and go, every row through its own agent.
+
+A program's agents are called one request at a time, from many episodes at once, each request whenever the
+program gets to it. :class:`ContinuousBatcher` decodes every request in flight together: one forward pass per
+decoding step for all the rows on one base model, each row through its own agent's LoRA adapter
+(:class:`~teamrl.models.lora.RowAdapters`, as :func:`~teamrl.rollout.generate.generate` routes a team's rows),
+and a request that arrives while others decode joins at the next step instead of waiting for the batch to end.
+A row leaves as soon as it ends (its end-of-sequence token, a stop string, ``max_new_tokens``), and its caller
+gets, exactly as sampled, the prompt's token ids, the completion's token ids and each token's log-prob under the
+temperature-scaled policy that drew it (what training's :func:`~teamrl.algorithms.logprobs.token_logprobs`
+recomputes): nothing is re-tokenised from text.
+
+Why not transformers' own continuous batching (``generate_batch``, ``init_continuous_batching`` in 5.24): it runs
+one model with one active adapter (a team's rows need one adapter each in the same pass), draws with
+``torch.multinomial`` from one global stream (no per-request seed), records the log-prob after top-k/top-p
+filtering (training's is before), and knows no stop strings. The loop here is small: the rows' keys and values sit
+in per-layer buffers, right-aligned so that every row writes its next position in the same column
+(:class:`_Slots`, no copy per step); a join or a departure copies the buffers once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers.cache_utils import Cache, DynamicLayer
+
+from teamrl.config import SamplingConfig
+from teamrl.models.kv_cache import cache_arg, cache_of
+from teamrl.models.lora import RowAdapters
+from teamrl.models.onednn import packed_weights
+from teamrl.team import Agent, Team
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """One completion to sample: agent ``agent``'s continuation of ``prompt_ids``."""
+
+    agent: int
+    """The agent's index in the team."""
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    stop: tuple[str, ...] = ()
+    """The completion ends where its text first contains one of these (the text returned stops before it)."""
+    seed: int | None = None
+    """Draws from a stream of its own seeded so (the same tokens for the same inputs); None: torch's global one."""
+
+
+@dataclass
+class TokenCompletion:
+    """What a request sampled, token for token."""
+
+    agent: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    """Every token drawn, up to and including the end-of-sequence token or the one that completed a stop string."""
+    logprobs: list[float]
+    """log pi(token | everything before) under the temperature-scaled policy that drew it, one per completion id."""
+    text: str
+    """The completion's text (special tokens dropped, cut before a stop string)."""
+    finish_reason: str
+    """'stop' (an end-of-sequence token or a stop string) or 'length' (``max_new_tokens`` drawn)."""
+
+
+class ContinuousBatcher:
+    """The one thread that runs a team's models for requests arriving at any time (:meth:`submit`).
+
+    Each decoding step runs every row in flight on a base model in one forward pass; rows submitted meanwhile are
+    prefilled (identical prompts of one agent once) and join at the next step; at most ``max_rows`` rows decode
+    at once per base, the others wait their turn. Weights must not change while a request is in flight:
+    :meth:`wait_idle` before updating them (each busy period reads the adapters afresh).
+    """
+
+    def __init__(self, team: Team, *, max_rows: int = 64):
+        if max_rows < 1:
+            raise ValueError(f"max_rows: must be >= 1 (got {max_rows})")
+        self.team, self.max_rows = team, max_rows
+        self._queue: queue.Queue[_Row | None] = queue.Queue()
+        self._waiting: list[_Row] = []
+        self._batches: dict[int, _Batch] = {}
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._idle_lock = threading.Lock()  # a submit never slips between the worker's last look and its idle flag
+        self._tokenizer_locks = {id(agent.tokenizer): threading.Lock() for agent in team}
+        self._rows: dict[int, _Row] = {}
+        self.steps = 0
+        """Decoding steps run so far (every base's step counts once)."""
+
+    # ------------------------------------------------------------------------------------------ the callers' side
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="teamrl-continuous-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the requests in flight, then end the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, request: TokenRequest) -> Future[TokenCompletion]:
+        """Queue ``request``; its future gets the :class:`TokenCompletion` (or the error that stopped it).
+        Cancelling the future drops the request, at the next step if it is decoding."""
+        if self._thread is None:
+            raise RuntimeError("the continuous batcher is not running")
+        agent = self.team[request.agent]
+        row = _Row(request, agent, Future(), generator=_generator(request.seed))
+        with self._idle_lock:
+            self._idle.clear()
+            self._queue.put(row)
+        self._rows[id(row.future)] = row
+        row.future.add_done_callback(lambda done: self._rows.pop(id(done), None))
+        return row.future
+
+    def cancel(self, future: Future) -> None:
+        """Drop the request behind ``future`` (one :meth:`submit` returned): it stops at the next step, and its future
+        is cancelled."""
+        row = self._rows.get(id(future))
+        if row is not None:
+            row.dropped = True
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is queued or decoding (True), or ``timeout`` seconds passed (False)."""
+        return self._idle.wait(timeout)
+
+    def encode(self, agent: Agent, text: str) -> list[int]:
+        """``text``'s token ids as ``agent``'s prompts are encoded for training
+        (:func:`~teamrl.rollout.generate.encode_prompts`: a chat template places its own special tokens, plain text
+        gets the tokenizer's), under the lock this thread decodes with: a fast tokenizer is not used by two threads
+        at once."""
+        with self._tokenizer_locks[id(agent.tokenizer)]:
+            return list(agent.tokenizer(text, add_special_tokens=not agent.uses_chat_template)["input_ids"])
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize() + len(self._waiting)
+
+    # ------------------------------------------------------------------------------------------ the worker's side
+
+    def _work(self) -> None:
+        stopping = False
+        while True:
+            busy = bool(self._waiting) or any(batch.rows for batch in self._batches.values())
+            if not busy:
+                self._batches.clear()
+                with self._idle_lock:
+                    if self._queue.empty():
+                        self._idle.set()
+                if stopping:
+                    return
+            stopping = self._drain(block=not busy) or stopping
+            if not self._waiting and not self._batches:
+                continue
+            try:
+                with torch.no_grad(), self._busy_period():
+                    stopping = self._decode_while_busy(stopping)
+            except Exception as err:  # no caller may be left waiting, whatever failed
+                for row in self._waiting + [row for batch in self._batches.values() for row in batch.rows]:
+                    if not row.future.done():
+                        row.future.set_exception(err)
+                self._waiting, self._batches = [], {}
+
+    def _decode_while_busy(self, stopping: bool) -> bool:
+        """Admit, step and retire until nothing is in flight (rows arriving meanwhile join); whether to stop after."""
+        while self._waiting or any(batch.rows for batch in self._batches.values()):
+            self._admit()
+            for batch in self._batches.values():
+                if batch.rows:
+                    batch.step()
+                    self.steps += 1
+                    self._retire(batch)
+            stopping = self._drain(block=False) or stopping
+        return stopping
+
+    def _drain(self, block: bool) -> bool:
+        """Move queued rows to the waiting list; whether the stop sentinel came."""
+        stop = False
+        try:
+            item = self._queue.get() if block else self._queue.get_nowait()
+            while True:
+                if item is None:
+                    stop = True
+                elif item.future.set_running_or_notify_cancel():
+                    self._waiting.append(item)
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        return stop
+
+    @contextlib.contextmanager
+    def _busy_period(self):
+        """While requests are in flight: the base weights packed for decoding and each base's adapters stacked as
+        they are now (they do not change until the team is idle again)."""
+        with contextlib.ExitStack() as stack:
+            for agent in {id(agent.model): agent for agent in self.team}.values():
+                agent.model.eval()
+                stack.enter_context(packed_weights(agent.model, rows=self.max_rows))
+            self._adapters = {}
+            for model_id, agents in _by_model(self.team).items():
+                names = [agent.adapter for agent in agents if agent.adapter is not None]
+                self._adapters[model_id] = RowAdapters.build(agents[0].model, names) if names else RowAdapters()
+            yield
+
+    def _admit(self) -> None:
+        """Prefill the waiting rows that fit (``max_rows`` per base) and have them join their base's batch."""
+        joining: dict[int, list[_Row]] = {}
+        still_waiting = []
+        for row in self._waiting:
+            if row.gone:
+                continue
+            model_id = id(row.agent.model)
+            batch = self._batches.get(model_id)
+            room = self.max_rows - (len(batch.rows) if batch else 0) - len(joining.get(model_id, ()))
+            if room > 0:
+                joining.setdefault(model_id, []).append(row)
+            else:
+                still_waiting.append(row)
+        self._waiting = still_waiting
+        for model_id, rows in joining.items():
+            batch = self._batches.setdefault(model_id, _Batch(rows[0].agent.model, self._adapters[model_id]))
+            batch.join(rows)
+            self._retire(batch)  # a row may end with its first token
+
+    def _retire(self, batch: _Batch) -> None:
+        """Hand every finished (or cancelled) row its result and take it out of ``batch``."""
+        keep = []
+        for index, row in enumerate(batch.rows):
+            if row.gone:
+                continue
+            finish = self._finish_reason(row)
+            if finish is None:
+                keep.append(index)
+                continue
+            row.future.set_result(TokenCompletion(row.request.agent, list(row.request.prompt_ids), row.tokens,
+                                                  row.logprobs, row.text, finish))
+        if len(keep) < len(batch.rows):
+            batch.keep(keep)
+
+    def _finish_reason(self, row: _Row) -> str | None:
+        """'stop', 'length' or None (the row goes on); sets ``row.text``."""
+        ended = row.tokens[-1] in row.eos
+        with self._tokenizer_locks[id(row.agent.tokenizer)]:
+            row.text = row.agent.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        for stop in row.request.stop:
+            cut = row.text.find(stop)
+            if cut >= 0:
+                row.text = row.text[:cut]
+                return "stop"
+        row.text = row.text.strip()
+        if ended:
+            return "stop"
+        return "length" if len(row.tokens) >= row.request.sampling.max_new_tokens else None
+
+
+@dataclass
+class _Row:
+    """A request in the batcher: what it sampled so far."""
+
+    request: TokenRequest
+    agent: Agent
+    future: Future
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    dropped: bool = False
+    """Its caller went away (:meth:`ContinuousBatcher.cancel`)."""
+
+    @property
+    def gone(self) -> bool:
+        """Whether nobody waits for this row any more (cancelled before it started, or dropped since)."""
+        if self.dropped and not self.future.done():
+            self.future.set_exception(CancelledError())
+        return self.future.cancelled() or self.dropped
+
+    def __post_init__(self) -> None:
+        self.eos = set(self.agent.eos_token_ids)
+
+
+class _Batch:
+    """The rows decoding on one base model, and their keys and values."""
+
+    def __init__(self, model: torch.nn.Module, adapters: RowAdapters):
+        self.model, self.adapters = model, adapters
+        self.rows: list[_Row] = []
+        self.cache: Cache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        """(rows, columns used) 1 where a row has a token: rows are right-aligned, every row's next at column n."""
+
+    def join(self, rows: list[_Row]) -> None:
+        """Prefill ``rows`` (each distinct prompt of an agent once), draw their first tokens and add them."""
+        device = next(self.model.parameters()).device
+        keys = [(row.agent.adapter, row.request.prompt_ids) for row in rows]
+        distinct = list(dict.fromkeys(keys))
+        width = max(len(ids) for _, ids in distinct)
+        ids = torch.zeros(len(distinct), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for r, (_, prompt) in enumerate(distinct):
+            ids[r, width - len(prompt):] = torch.tensor(prompt, device=device)
+            mask[r, width - len(prompt):] = 1
+        names = self._names([name for name, _ in distinct])
+        with self.adapters.route(names) as routing:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                             **cache_arg(DynamicCache()), use_cache=True, logits_to_keep=1, **routing)
+        which = torch.tensor([distinct.index(key) for key in keys], device=device)
+        prompt_cache = cache_of(out)
+        layers = [(layer.keys.index_select(0, which), layer.values.index_select(0, which))
+                  for layer in prompt_cache.layers]
+        self._append(layers, mask.index_select(0, which))
+        self.rows += rows
+        _draw(rows, out.logits[:, -1].index_select(0, which))
+
+    def step(self) -> None:
+        """One decoding step for every row: each row's last token in, its next token drawn."""
+        device = self.mask.device
+        tokens = torch.tensor([[row.tokens[-1]] for row in self.rows], device=device)
+        positions = self.mask.sum(dim=1, keepdim=True)
+        self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=1)
+        with self.adapters.route(self._names([row.agent.adapter for row in self.rows])) as routing:
+            out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
+                             **cache_arg(self.cache), use_cache=True, **routing)
+        _draw(self.rows, out.logits[:, -1])
+
+    def keep(self, indices: list[int]) -> None:
+        """Only rows ``indices`` go on; columns no remaining row uses are dropped."""
+        self.rows = [self.rows[i] for i in indices]
+        if not self.rows:
+            self.cache, self.mask = None, torch.zeros(0, 0, dtype=torch.long)
+            return
+        which = torch.tensor(indices, device=self.mask.device)
+        mask = self.mask.index_select(0, which)
+        first = int(mask.any(dim=0).nonzero()[0])
+        self.mask = mask[:, first:]
+        for layer in self.cache.layers:
+            layer.select(which, first)
+
+    def _names(self, adapters: Sequence[str | None]) -> list[str] | None:
+        return None if self.adapters.model is None else list(adapters)
+
+    def _append(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        """Add rows whose keys and values are ``layers`` (right-aligned, ``mask`` marking their tokens)."""
+        if self.cache is None:
+            self.cache = Cache(layers=[_Slots(keys, values) for keys, values in layers])
+            self.mask = mask
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.stack(keys, values, width)
+
+
+class _Slots(DynamicLayer):
+    """A cache layer whose keys and values sit in a buffer with room to grow: a decoding step writes its column in
+    place, where :class:`~transformers.cache_utils.DynamicLayer` concatenates (copies the whole cache) every step.
+    ``keys``/``values`` are views of the columns in use."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self._place([keys], [values], keys.shape[2])
+
+    def _place(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], width: int) -> None:
+        """Hold the rows of ``keys``/``values`` (stacked in order), each right-aligned to ``width`` columns, in fresh
+        buffers with :data:`HEADROOM` columns to spare."""
+        rows = sum(part.shape[0] for part in keys)
+        shape = (rows, keys[0].shape[1], width + HEADROOM, keys[0].shape[3])
+        self._keys, self._values = keys[0].new_zeros(shape), values[0].new_zeros(shape)
+        start = 0
+        for key_part, value_part in zip(keys, values):
+            stop, columns = start + key_part.shape[0], key_part.shape[2]
+            self._keys[start:stop, :, width - columns:width] = key_part
+            self._values[start:stop, :, width - columns:width] = value_part
+            start = stop
+        self._use(width)
+
+    def _use(self, used: int) -> None:
+        self.used = used
+        self.keys, self.values = self._keys[:, :, :used], self._values[:, :, :used]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[2]
+        if self.used + new > self._keys.shape[2]:
+            self._place([self.keys], [self.values], self.used)
+        self._keys[:, :, self.used:self.used + new] = key_states
+        self._values[:, :, self.used:self.used + new] = value_states
+        self._use(self.used + new)
+        return self.keys, self.values
+
+    def select(self, rows: torch.Tensor, first_column: int) -> None:
+        """Keep ``rows``, from column ``first_column`` on."""
+        self._place([self.keys.index_select(0, rows)[:, :, first_column:]],
+                    [self.values.index_select(0, rows)[:, :, first_column:]], self.used - first_column)
+
+    def stack(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
+        """Add rows ``keys``/``values`` below the ones held, both right-aligned to ``width`` columns."""
+        self._place([self.keys, keys], [self.values, values], width)
+
+
+#: Columns a rebuilt cache buffer keeps free for the next decoding steps (a full one is rebuilt with as many more).
+HEADROOM = 64
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``mask`` with zero columns on the left up to ``width``."""
+    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
+
+
+def _draw(rows: Sequence[_Row], logits: torch.Tensor) -> None:
+    """Draw each row's next token from its (rows, vocabulary) ``logits`` under its own sampling settings, recording
+    the token and its log-prob under the temperature-scaled policy (before top-k/top-p, as training computes it),
+    by inverse-CDF sampling with one uniform per row (its own stream, or torch's)."""
+    temperatures = torch.tensor([row.request.sampling.temperature for row in rows], device=logits.device)
+    scaled = logits.float() / temperatures[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    probs = logprobs.exp()
+    for (top_k, top_p), members in itertools.groupby(
+            sorted(range(len(rows)), key=lambda r: _filters(rows[r])), key=lambda r: _filters(rows[r])):
+        if top_k == 0 and top_p >= 1.0:
+            continue
+        members = torch.tensor(list(members), device=logits.device)
+        warpers = LogitsProcessorList(([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+                                      + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+        probs[members] = torch.softmax(warpers(None, scaled[members]), dim=-1)
+    cumulative = probs.cumsum(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=row.generator) for row in rows]).to(logits.device)
+    tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True)
+    tokens = tokens.clamp_(max=cumulative.shape[1] - 1).squeeze(1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    for row, token, logprob in zip(rows, tokens.tolist(), chosen.tolist()):
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+
+
+def _filters(row: _Row) -> tuple[int, float]:
+    return row.request.sampling.top_k, row.request.sampling.top_p
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    return None if seed is None else torch.Generator().manual_seed(seed)
+
+
+def _by_model(team: Team) -> dict[int, list[Agent]]:
+    groups: dict[int, list[Agent]] = {}
+    for agent in team:
+        groups.setdefault(id(agent.model), []).append(agent)
+    return groups
