@@ -70,16 +70,23 @@ def check_context(team: Team, observations: list[list[str]], labels: list[str] |
 
 
 def _check_context(agent: Agent, prompts: list[str], observations: list[str], labels: list[str]) -> None:
-    context = getattr(agent.model.config, "max_position_embeddings", None)
-    if context is None:  # the model states no limit
-        return
-    room = context - agent.sampling.max_new_tokens
     # Tokenised as generation tokenises them (encode_prompts), one list per prompt, unpadded.
     encoded = agent.tokenizer(prompts, add_special_tokens=not agent.uses_chat_template)["input_ids"]
     for label, ids, observation in zip(labels, encoded, observations):
-        if len(ids) > room:
-            excess = -(-len(observation) * (len(ids) - room) // len(ids))  # at the prompt's characters per token
-            raise ValueError(f"{label}: agent {agent.name!r}'s prompt is {len(ids):,} tokens, which with "
-                             f"max_new_tokens={agent.sampling.max_new_tokens:,} exceeds the model's context of "
-                             f"{context:,} tokens; shorten the input by about {excess:,} characters or more, or "
-                             f"lower max_new_tokens")
+        error = context_error(agent, len(ids), agent.sampling.max_new_tokens, observation, label)
+        if error is not None:
+            raise ValueError(error)
+
+
+def context_error(agent: Agent, prompt_tokens: int, max_new_tokens: int, observation: str, label: str) -> str | None:
+    """Why a prompt of ``prompt_tokens`` tokens (``observation`` being the part the caller wrote, named ``label``)
+    leaves ``agent``'s model no room for ``max_new_tokens`` more, with how far to shorten it; None when it fits (or
+    the model states no limit)."""
+    context = getattr(agent.model.config, "max_position_embeddings", None)
+    room = None if context is None else context - max_new_tokens
+    if room is None or prompt_tokens <= room:
+        return None
+    excess = -(-len(observation) * (prompt_tokens - room) // prompt_tokens)  # at the prompt's characters per token
+    return (f"{label}: agent {agent.name!r}'s prompt is {prompt_tokens:,} tokens, which with "
+            f"max_new_tokens={max_new_tokens:,} exceeds the model's context of {context:,} tokens; shorten the input "
+            f"by about {excess:,} characters or more, or lower max_new_tokens")

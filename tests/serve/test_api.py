@@ -25,7 +25,8 @@ def test_models_lists_the_team_and_each_agent(digits_served, serve_client):
     client = serve_client(digits_served)
     listing = client.get("/v1/models").json()
     assert listing["object"] == "list"
-    assert [model["id"] for model in listing["data"]] == ["digits", "digits/first", "digits/second"]
+    # Each agent also under its bare name: what a program trained by teamrl calls it by.
+    assert [model["id"] for model in listing["data"]] == ["digits", "digits/first", "digits/second", "first", "second"]
     assert client.get("/health").json() == {"status": "ok", "model": "digits", "agents": ["first", "second"]}
 
 
@@ -148,7 +149,7 @@ def test_max_new_tokens_replaces_every_agents_own_cap(digits_team_dir):
 
     served = ServedTeam.load(digits_team_dir, max_new_tokens=9, name="renamed")
     assert [agent.sampling.max_new_tokens for agent in served.team] == [9, 9]
-    assert served.model_ids() == ["renamed", "renamed/first", "renamed/second"]
+    assert served.model_ids() == ["renamed", "renamed/first", "renamed/second", "first", "second"]
     assert served.sampling(served.team[0], max_tokens=50, temperature=0, top_p=None).max_new_tokens == 9
 
 

@@ -23,7 +23,8 @@ def test_the_official_openai_client_talks_to_the_server(digits_served, live_serv
     openai = pytest.importorskip("openai")
     url, _ = live_server(digits_served, api_key="sesame")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
-    assert [model.id for model in client.models.list()] == ["digits", "digits/first", "digits/second"]
+    assert [model.id for model in client.models.list()] == ["digits", "digits/first", "digits/second", "first",
+                                                            "second"]
 
     answer = client.chat.completions.create(model="digits", messages=[{"role": "user", "content": DIGITS_ITEM}],
                                             seed=1)
@@ -144,7 +145,8 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_exits_0(
         ready, _, _ = select.select([server.stdout], [], [], 120)
         assert ready, "the server printed nothing in 120 s"
         line = server.stdout.readline()
-        assert line.startswith("teamrl serve: digits, digits/first, digits/second on http://127.0.0.1:"), line
+        assert line.startswith("teamrl serve: digits, digits/first, digits/second, first, second on http://127.0.0.1:"), \
+            line
         url = line.split(" on ")[1].strip().removesuffix("/v1")
         answers = []
 

@@ -10,6 +10,10 @@ are queued as :class:`Job` s; the worker takes the oldest, waits until ``window`
 arrived for others (up to ``max_batch``), and runs them all in one :func:`~teamrl.rollout.generate.generate_team`
 call per sampling setting: one batched ``generate`` per base model, the agents on different models
 concurrently, exactly as :func:`~teamrl.inference.run_team` runs a team on many inputs.
+
+:class:`ContinuousServer` runs the same jobs by continuous batching instead
+(:class:`~teamrl.rollout.continuous.ContinuousBatcher`): a request joins the rows decoding at the next step and
+leaves when it ends, and every answer carries its exact token ids and log-probs (what training's gateway records).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from typing import Any
 
 from teamrl.config import SamplingConfig
 from teamrl.envs.base import Environment, Item
+from teamrl.inference import context_error
+from teamrl.rollout.continuous import ContinuousBatcher, TokenCompletion, TokenRequest
+from teamrl.rollout.generate import derive_seed
 from teamrl.serve.metrics import ServerMetrics
 from teamrl.team import Agent, Team
 
@@ -53,6 +60,8 @@ class AgentAnswer:
     completion_tokens: int
     finish_reason: str
     """'stop' (the agent ended its answer) or 'length' (it ran out of ``max_tokens``)."""
+    tokens: TokenCompletion | None = None
+    """The exact prompt and completion token ids and log-probs (continuous batching only)."""
 
 
 @dataclass
@@ -75,11 +84,25 @@ class Job:
     it, or failed as ``future`` fails: a stream waits for it before it sends its headers, so that an input
     too long for the context still gets a 4xx."""
     loop: asyncio.AbstractEventLoop
+    prompt_ids: dict[int, list[int]] | None = None
+    """Agent index -> the prompt's token ids, where the client sent ids (``/v1/completions``); None: each prompt is
+    encoded as training encodes it."""
+    stop: tuple[str, ...] = ()
+    """Each answer ends where its text first contains one of these."""
     submitted: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     """Set by the handler when its client went away: the worker drops the job (or stops the call it is in,
     when every job of that call is gone)."""
     answers: dict[int, AgentAnswer] = field(default_factory=dict)
+    on_cancel: list[Callable[[], None]] = field(default_factory=list)
+    """Called once when the handler cancels the job (:meth:`cancel`): an engine's way to stop its rows at once."""
+
+    def cancel(self) -> None:
+        """The client went away: drop the job (its rows, where the engine can stop them)."""
+        if not self.cancelled:
+            self.cancelled = True
+            for hook in self.on_cancel:
+                hook()
 
     def __post_init__(self) -> None:
         # One error fails both futures and the handler awaits one of them: a stream only ``accepted`` (and never
@@ -148,15 +171,18 @@ class ServedTeam:
     # ----------------------------------------------------------------------------------- model ids
 
     def model_ids(self) -> list[str]:
-        """The team's id, then each agent's (``TEAM/AGENT``)."""
-        return [self.name, *(f"{self.name}/{agent.name}" for agent in self.team)]
+        """The team's id (unless its task is a program, whose agents are only called one by one), each agent's as
+        ``TEAM/AGENT``, then each agent's bare name (what a program trained by teamrl calls it by)."""
+        team = [self.name] if self.env.joint_prompts else []
+        return [*team, *(f"{self.name}/{agent.name}" for agent in self.team), *self.agent_index]
 
     def resolve_model(self, model: str) -> int | None:
-        """None for the team; an agent's index for ``TEAM/AGENT``. Raises RequestError (404) otherwise."""
-        if model == self.name:
+        """None for the team; an agent's index for ``TEAM/AGENT`` or ``AGENT``. Raises RequestError (404, OpenAI's
+        ``model_not_found``) otherwise."""
+        if model == self.name and self.env.joint_prompts:
             return None
-        team_name, _, agent = model.partition("/")
-        if team_name == self.name and agent in self.agent_index:
+        team_name, _, agent = model.rpartition("/")
+        if team_name in ("", self.name) and agent in self.agent_index:
             return self.agent_index[agent]
         raise RequestError(f"model {model!r} does not exist; this server has: {', '.join(self.model_ids())}",
                            status=404, code="model_not_found", param="model")
@@ -202,8 +228,8 @@ class ServedTeam:
             return agent.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
         return "\n\n".join(message["content"] for message in messages)
 
-    def sampling(self, agent: Agent, *, max_tokens: int | None, temperature: float | None,
-                 top_p: float | None) -> SamplingConfig:
+    def sampling(self, agent: Agent, *, max_tokens: int | None, temperature: float | None = None,
+                 top_p: float | None = None) -> SamplingConfig:
         """``agent``'s sampling settings with a request's: ``max_tokens`` capped by the agent's own
         ``max_new_tokens``, ``temperature`` 0 as greedy."""
         changes: dict[str, Any] = {}
@@ -324,13 +350,89 @@ class Batcher:
                 mask = generation.completion_mask[row]
                 length = int(mask.sum())
                 ended = length > 0 and int(generation.completion_ids[row, length - 1]) in eos
-                answer = AgentAnswer(agent.name, generation.texts[row], int(generation.prompt_mask[row].sum()),
-                                     length, "stop" if ended else "length")
+                # A stop string ends the text only: the whole call decodes as long as its longest row.
+                text, stopped = cut_at_stop(generation.texts[row], job.stop)
+                answer = AgentAnswer(agent.name, text, int(generation.prompt_mask[row].sum()),
+                                     length, "stop" if ended or stopped else "length")
                 job.answers[self.served.agent_index[agent.name]] = answer
                 prompt_tokens += answer.prompt_tokens
                 completion_tokens += answer.completion_tokens
         self.metrics.generated(requests=len(jobs), rows=len(rows), prompt_tokens=prompt_tokens,
                                completion_tokens=completion_tokens, seconds=seconds)
+
+
+class ContinuousServer:
+    """:class:`Batcher`'s jobs run by continuous batching (:class:`~teamrl.rollout.continuous.ContinuousBatcher`):
+    each of a job's prompts is encoded as training encodes it (or taken as the client's ids), checked against the
+    context, and joins the rows decoding at the next step; the job is answered when its last row ends, every answer
+    with its exact tokens (:attr:`AgentAnswer.tokens`). ``max_rows``: the most rows decoding at once per base."""
+
+    def __init__(self, served: ServedTeam, metrics: ServerMetrics, *, max_rows: int = 64):
+        self.served, self.metrics = served, metrics
+        self.engine = ContinuousBatcher(served.team, max_rows=max_rows)
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.engine.stop(timeout)
+
+    @property
+    def queued(self) -> int:
+        return self.engine.queued
+
+    def submit(self, job: Job) -> None:
+        """Start ``job``'s rows (from the event loop); its future gets the answers in agent order."""
+        if job.cancelled:
+            self.metrics.cancelled(before_generation=True)
+            return
+        requests = {}
+        try:
+            for index, prompt in job.prompts.items():
+                agent = self.served.team[index]
+                ids = job.prompt_ids[index] if job.prompt_ids else self.engine.encode(agent, prompt)
+                sampling = job.sampling[index]
+                overflow = context_error(agent, len(ids), sampling.max_new_tokens, job.inputs[index], job.label)
+                if overflow is not None:
+                    raise RequestError(overflow, code="context_length_exceeded", param="messages")
+                seed = None if job.seed is None else derive_seed(job.seed, index)
+                requests[index] = TokenRequest(index, tuple(ids), sampling, job.stop, seed)
+        except RequestError as err:
+            job.resolve(err)
+            return
+        job.accept()
+        futures = {index: self.engine.submit(request) for index, request in requests.items()}
+        job.on_cancel.append(lambda: [self.engine.cancel(future) for future in futures.values()])
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def finished(_: object) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                answers = [self._answer(index, futures[index].result()) for index in sorted(futures)]
+            except BaseException as err:  # the engine failed (or the job was cancelled): the handler hears of it
+                job.resolve(err if isinstance(err, Exception) else RuntimeError(str(err)))
+                return
+            job.resolve(answers)
+
+        for future in futures.values():
+            future.add_done_callback(finished)
+
+    def _answer(self, index: int, completion: TokenCompletion) -> AgentAnswer:
+        agent = self.served.team[index]
+        answer = AgentAnswer(agent.name, completion.text, len(completion.prompt_ids), len(completion.completion_ids),
+                             completion.finish_reason, completion)
+        self.metrics.tokens(answer.prompt_tokens, answer.completion_tokens)
+        return answer
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first of the ``stop`` strings it contains, and whether it contained one."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)
 
 
 def refused_as_too_long(served: ServedTeam, job: Job) -> bool:

@@ -60,6 +60,12 @@ class ServerMetrics:
             self.completion_tokens += completion_tokens
             self.generate_seconds += seconds
 
+    def tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request's tokens, counted where continuous batching answers it (no generate calls to count)."""
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+
     def cancelled(self, *, before_generation: bool) -> None:
         """A job whose client went away: dropped from the queue, or its generation's result discarded."""
         with self._lock:

@@ -121,7 +121,7 @@ class VLLMProxy:
         agent, sampling = self.served.team[index], job.sampling[index]
         body = {
             "model": agent.name,
-            "prompt": job.prompts[index],
+            "prompt": job.prompt_ids[index] if job.prompt_ids else job.prompts[index],
             "max_tokens": sampling.max_new_tokens,
             # teamrl samples temperature 0 at a tiny temperature (greedy); vLLM's greedy is 0.
             "temperature": 0.0 if sampling.temperature <= GREEDY_TEMPERATURE else sampling.temperature,
@@ -136,6 +136,8 @@ class VLLMProxy:
             body["top_k"] = sampling.top_k
         if job.seed is not None:
             body["seed"] = job.seed
+        if job.stop:
+            body["stop"] = list(job.stop)
         return body
 
     async def _complete(self, client: httpx.AsyncClient, job: Job, index: int) -> AgentAnswer:
