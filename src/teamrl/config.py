@@ -557,6 +557,8 @@ class TrainConfig:
         check_algorithm = getattr(algorithm_class, "check_config", None)
         if check_algorithm is not None:  # what the algorithm itself cannot run with
             check_algorithm(self)
+        if self.env.name == PROGRAM_TASK:
+            check_program(self, algorithm_class)
         if self.distributed.backend == "ray":
             # Ray decides which devices an actor sees: GPU 0 of its own, or none.
             device = "cuda" if self.distributed.gpus_per_agent > 0 else "cpu"
@@ -582,6 +584,39 @@ class TrainConfig:
         engines = self.team.num_models()
         require(not (self.rollout.sleep_between_rollouts and engines > 1), "rollout.sleep_between_rollouts",
                 vllm_sleep_mode_rule(engines), self.rollout.sleep_between_rollouts)
+
+
+PROGRAM_TASK = "program"
+"""``env.name`` of a task that is a program (:class:`~teamrl.envs.program.ProgramTask`)."""
+
+
+def check_program(config: TrainConfig, algorithm_class: type) -> None:
+    """What a program task cannot be trained with, refused in one line (docs/programs.md#what-carries-over): a
+    program's episode is one trajectory per run, so only MAGRPO's aligned mode over whole episodes applies."""
+    algorithm = config.algorithm
+    name = algorithm.name
+    require(getattr(algorithm_class, "learns_from_programs", False), "algorithm.name",
+            "cannot learn from a program's episodes (a critic needs per-turn states, preferences and centralized "
+            "a task of their own): use magrpo, mareinforce, marloo or maremax, whose group baseline over the G "
+            "episodes of an item is what carries over", name)
+    require(algorithm.joint_mode == "aligned", "algorithm.joint_mode",
+            "must be 'aligned' with env.name='program': an episode's calls depend on each other, so one agent's "
+            "calls cannot be paired with another episode's (cross mode)", algorithm.joint_mode)
+    require(algorithm.num_turns == 1, "algorithm.num_turns",
+            "must be 1 with env.name='program': the program plays a whole episode, however many calls it makes; "
+            "the turn tree would need the program replayed from every turn", algorithm.num_turns)
+    require(algorithm.learners == "joint", "algorithm.learners",
+            "must be 'joint' with env.name='program': the program returns one joint reward per episode",
+            algorithm.learners)
+    require(algorithm.early_termination_threshold is None, "algorithm.early_termination_threshold",
+            "has no turns to stop after with env.name='program' (one episode, one reward): leave it empty",
+            algorithm.early_termination_threshold)
+    require(config.distributed.backend == "local", "distributed.backend",
+            "must be 'local' with env.name='program': the gateway answers the program's calls with the agents of "
+            "this process", config.distributed.backend)
+    require(config.rollout.backend == "transformers", "rollout.backend",
+            "must be 'transformers' with env.name='program' (the gateway's continuous batching; vLLM is not wired to "
+            "it yet)", config.rollout.backend)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,9 +38,11 @@ from teamrl.checkpoint import (
 from teamrl.config import TrainConfig, config_to_dict
 from teamrl.envs.base import Environment, Item, configured_env, env_record
 from teamrl.envs.checks import EnvironmentOutputError
+from teamrl.envs.program import ProgramTask
 from teamrl.evaluation import heldout
 from teamrl.evaluation.heldout import EVAL_ITEMS_PER_BATCH
 from teamrl.evaluation.plots import plot_run
+from teamrl.rollout.episodes import ProgramRollout, run_episodes
 from teamrl.rollout.generate import derive_seed
 from teamrl.rollout.tree import RolloutTree, sample_tree
 from teamrl.run_dir import (
@@ -65,6 +67,7 @@ from teamrl.user_code import UserCodeError
 
 if TYPE_CHECKING:
     from teamrl.backends.ray import RayTeam
+    from teamrl.serve.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +144,10 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Let go of the run directory (another training may use it then)."""
+        """Stop the gateway of a program task and let go of the run directory (another training may use it then)."""
+        if getattr(self, "gateway", None) is not None:
+            self.gateway.stop()
+            self.gateway = None
         self._run_lock.release()
 
     def _build(self, team: Team | None, env: Environment | None) -> None:
@@ -155,11 +161,20 @@ class Trainer:
         # The algorithm's view of the task (centralized: one agent doing every seat's part).
         self.task = env if env is not None else configured_env(config.env.name, config.env.kwargs, config.env.folders)
         """The task as given or configured (:attr:`env` is the algorithm's view of it)."""
+        if isinstance(self.task, ProgramTask):
+            seat_program_agents(self.task, [agent.name for agent in config.team.agents])
         self.env = make_environment(config, self.task)
         self._task_record = task_record(self.task)
         self.env.check_num_turns(config.algorithm.num_turns)  # at most max_turns; a sparse task's paying turn
         self.agents: AgentBackend = make_backend(config, self.env, team)
         """Where the agents live and how they are sampled and updated (:mod:`teamrl.backends`)."""
+        self.gateway: Gateway | None = None
+        """A program task's episodes call the team here (:mod:`teamrl.serve.gateway`); None for other tasks."""
+        if isinstance(self.env, ProgramTask):
+            from teamrl.serve.gateway import Gateway
+
+            self.gateway = Gateway(self.agents.team, self.env)
+            self.gateway.start()
         self.agent_names = self.agents.names
         self.algorithm: Algorithm = make_algorithm(config, self.env, self.agents)
         """What a step learns from its rollout (``algorithm.name``, :mod:`teamrl.algorithms.base`)."""
@@ -188,16 +203,26 @@ class Trainer:
         config = self.config
         start = time.perf_counter()
         items = [self.items[i] for i in batch_indices(len(self.items), config.items_per_step, self.step, config.seed)]
+        names = self.agent_names
+        seeds = [derive_seed(config.seed, self.step, "update", i) for i in range(len(names))]
         # Every draw of the step is seeded from (seed, step): a resumed run, or one whose agents live in
         # Ray actors, samples and updates exactly as this uninterrupted, single-process one.
-        tree = sample_tree(self.agents.sample, self.env, items, config.algorithm,
-                              seed=derive_seed(config.seed, self.step))
-        names = self.agent_names
-        generation_seconds = sum(t.generation_seconds for t in tree.turns)
-        update_start = time.perf_counter()
-        seeds = [derive_seed(config.seed, self.step, "update", i) for i in range(len(names))]
-        metrics = self.algorithm.learn(tree, self.agents, seeds)
-        generated = sum(gen.num_tokens for t in tree.turns for gen in t.generations)
+        if self.gateway is not None:  # a program task: its episodes, all at once, through the gateway
+            rollout = self._program_episodes(items, config.algorithm.num_generations,
+                                             derive_seed(config.seed, self.step))
+            generation_seconds, generated = rollout.seconds, rollout.num_tokens
+            update_start = time.perf_counter()
+            metrics = self.algorithm.learn_episodes(rollout, self.agents, seeds)
+            self._last_samples = program_samples(rollout, names)
+        else:
+            tree = sample_tree(self.agents.sample, self.env, items, config.algorithm,
+                               seed=derive_seed(config.seed, self.step))
+            generation_seconds = sum(t.generation_seconds for t in tree.turns)
+            update_start = time.perf_counter()
+            metrics = self.algorithm.learn(tree, self.agents, seeds)
+            generated = sum(gen.num_tokens for t in tree.turns for gen in t.generations)
+            self._last_tree = tree
+            self._last_samples = _samples(tree)
         self.step += 1
         metrics.update({
             "step": self.step,
@@ -212,8 +237,12 @@ class Trainer:
             "time/step": time.perf_counter() - start,
             **memory_metrics(),
         })
-        self._last_tree = tree
         return metrics
+
+    def _program_episodes(self, items: Sequence[Item], num_episodes: int, seed: int) -> ProgramRollout:
+        """``num_episodes`` episodes of the program task on each of ``items``, through the gateway."""
+        return run_episodes(self.env, self.gateway, items, num_episodes, seed=seed,
+                            pad_token_ids=[agent.tokenizer.pad_token_id or 0 for agent in self.team])
 
     def train(self, after_step: Callable[[dict[str, float]], bool] | None = None,
               after_evaluation: Callable[[dict[str, float], list[dict[str, Any]]], None] | None = None,
@@ -348,6 +377,10 @@ class Trainer:
         items = list(self.env.items(split))[:max_items]
         if not items:
             raise ValueError(f"{type(self.env).__name__} has no {split!r} items to evaluate on")
+        if self.gateway is not None:  # a program task: its episodes on the held-out items
+            episodes = heldout.program_held_out(self.env, self.gateway, items, num_samples,
+                                                self.config.seed if seed is None else seed, items_per_batch)
+            return heldout.program_view(episodes, self.agent_names)
         output = heldout.sample_held_out(self.agents.sample, self.env, items, num_samples,
                                          self.config.seed if seed is None else seed, items_per_batch,
                                          num_turns=self.config.algorithm.num_turns)
@@ -453,7 +486,7 @@ class Trainer:
         every = self.config.logging.sample_every
         if every and (self.step % every == 0 or self.step == 1):
             with open(self.run_dir / SAMPLES_FILE, "a") as f:
-                f.write(json.dumps({"step": self.step, "samples": _samples(self._last_tree)}) + "\n")
+                f.write(json.dumps({"step": self.step, "samples": self._last_samples}) + "\n")
 
 
 def task_record(task: Environment) -> dict[str, Any]:
@@ -465,6 +498,26 @@ def task_record(task: Environment) -> dict[str, Any]:
     except ValueError as err:
         log.warning("the saved team will not be able to rebuild its task for teamrl generate/eval: %s", err)
         return {"name": type(task).__qualname__, "unavailable": str(err)}
+
+
+def seat_program_agents(task: ProgramTask, names: list[str]) -> None:
+    """Give a program task the team's agents (its models), or check those it names against them."""
+    if not task.agents:
+        task.seat(names)
+    elif task.agents != names:
+        raise ValueError(f"env.kwargs.agents: {task.agents} are not the team's agents {names} (team.agents); leave "
+                         f"env.kwargs.agents out, or name the same agents in the same order")
+
+
+def program_samples(rollout: ProgramRollout, names: Sequence[str], per_item: int = 2) -> list[dict[str, Any]]:
+    """A few episodes of the first item with each call's agent and answer and the reward, for samples.jsonl."""
+    out = []
+    for episode in rollout.episodes[0][:per_item]:
+        out.append({"item": episode.item.get("id"),
+                    "calls": [{"agent": names[call.agent], "text": call.completion.text} for call in episode.calls],
+                    "reward": episode.result.total, "reward_parts": episode.result.parts,
+                    "reward_counts": episode.result.counts})
+    return out
 
 
 def _samples(tree: RolloutTree, per_turn: int = 2) -> list[dict[str, Any]]:

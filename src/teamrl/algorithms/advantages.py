@@ -94,6 +94,14 @@ def sample_advantages(returns: torch.Tensor, combos: torch.Tensor, agent: int, n
     return agent_advantages(estimate(returns), combos, agent, num_samples)
 
 
+def episode_advantages(returns: torch.Tensor, mode: str) -> torch.Tensor:
+    """(E, G) advantage of each of G episodes of a program on each of E items, from their (E, G) joint returns: Eq. 1
+    over the G episodes of an item (aligned mode with whole trajectories as the joint actions: each episode is in one
+    group, so an estimator that leaves the sample out sees the others' returns only, as :func:`sample_advantages`
+    gives it them)."""
+    return ADVANTAGES.lookup(mode)(returns)
+
+
 def absorbing_factor(turns_left: int, discount: float, turn_reward: str = "state") -> float:
     """What a reward r of the turn early termination stopped is worth, as a multiple of r, with ``turns_left``
     turns from that one to the horizon (it included): sum_{k=0}^{turns_left-1} discount^k when a 'state'

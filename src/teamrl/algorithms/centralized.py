@@ -31,6 +31,8 @@ from teamrl.envs.centralized import CentralizedEnv
 class Centralized(MAGRPO):
     """MAGRPO's step (:class:`~teamrl.algorithms.magrpo.MAGRPO`) on the task as one agent plays it."""
 
+    learns_from_programs = False  # a program calls its agents itself: there is no task to hand one agent
+
     @staticmethod
     def check_config(config: TrainConfig) -> None:
         """What the centralised policy cannot run with (called when a config loads)."""

@@ -32,13 +32,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from teamrl._deprecated import moved_names
-from teamrl.algorithms.advantages import normalize_per_agent, rollout_metrics, sample_advantages, tree_returns
+from teamrl.algorithms.advantages import (
+    episode_advantages,
+    normalize_per_agent,
+    rollout_metrics,
+    sample_advantages,
+    tree_returns,
+)
 from teamrl.algorithms.base import AgentBackend, TrainsTheAgentsOnly, register_algorithm
 from teamrl.config import AlgorithmConfig, TrainConfig
 from teamrl.rollout.tree import RolloutTree
 
 if TYPE_CHECKING:
     from teamrl.envs.base import Environment
+    from teamrl.rollout.episodes import ProgramRollout
 
 
 # Registered bottom-up: magrpo first, as `teamrl compare --algorithms all` lists them.
@@ -56,6 +63,8 @@ class MAGRPO(TrainsTheAgentsOnly):
 
     #: The settings of other algorithms, refused at load when set (:class:`~teamrl.algorithms.base.Algorithm`).
     ignores = ("critic", "preference", "dpo", "reward_model")
+    #: It learns from a program task's episodes (:meth:`learn_episodes`); see :func:`teamrl.config.check_program`.
+    learns_from_programs = True
 
     def __init__(self, config: TrainConfig, env: Environment, agents: AgentBackend):
         self.config = config.algorithm
@@ -66,6 +75,17 @@ class MAGRPO(TrainsTheAgentsOnly):
         metrics = rollout_metrics(tree, returns, per_agent)
         generations = [[turn.generations[i] for turn in tree.turns] for i in range(len(names))]
         for name, stats in zip(names, agents.update(generations, per_agent, seeds)):
+            metrics.update({f"{name}/{key}": value for key, value in stats.items()})
+        return metrics
+
+    def learn_episodes(self, rollout: ProgramRollout, agents: AgentBackend, seeds: Sequence[int]) -> dict[str, float]:
+        """Learn from a program task's episodes (:mod:`teamrl.rollout.episodes`): Eq. 1 over the G episodes of each
+        item, and every agent's Eq. 2 update on each of its calls with its episode's advantage (an agent an episode
+        never called learns nothing from it). See docs/algorithm.md#programs-trajectories-as-joint-actions."""
+        names = agents.names
+        per_agent = program_advantages(rollout, self.config)
+        metrics = program_metrics(rollout, per_agent, names)
+        for name, stats in zip(names, agents.update([[gen] for gen in rollout.generations], per_agent, seeds)):
             metrics.update({f"{name}/{key}": value for key, value in stats.items()})
         return metrics
 
@@ -84,6 +104,32 @@ def advantages(tree: RolloutTree, num_agents: int,
     if config.normalize_advantages == "agent":
         per_agent = normalize_per_agent(per_agent)
     return per_agent, returns
+
+
+def program_advantages(rollout: ProgramRollout, config: AlgorithmConfig) -> list[list[torch.Tensor]]:
+    """Per agent, one (rows,) tensor: the advantage of the episode each of its calls was made in (Eq. 1 over the G
+    episodes of an item, :func:`~teamrl.algorithms.advantages.episode_advantages`)."""
+    flat = episode_advantages(rollout.rewards, config.advantage_estimator).reshape(-1)
+    per_agent = [[flat[rows]] for rows in rollout.episode_of_row]
+    if config.normalize_advantages == "agent":
+        per_agent = [normalize_per_agent([turns])[0] if turns[0].numel() else turns for turns in per_agent]
+    return per_agent
+
+
+def program_metrics(rollout: ProgramRollout, per_agent: list[list[torch.Tensor]],
+                    names: Sequence[str]) -> dict[str, float]:
+    """A program step's joint reward, advantage and per-agent call statistics, for logging."""
+    rewards = rollout.rewards.reshape(-1)
+    every = torch.cat([a for turns in per_agent for a in turns])
+    episodes = rewards.numel()
+    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if episodes > 1 else 0.0,
+               "advantage/mean": float(every.mean()) if every.numel() else 0.0,
+               "advantage/abs_mean": float(every.abs().mean()) if every.numel() else 0.0,
+               "episodes": float(episodes)}
+    metrics["reward/episode/mean"] = metrics["return/mean"] = metrics["reward/mean"]
+    for name, generation in zip(names, rollout.generations):
+        metrics[f"{name}/calls_per_episode"] = generation.completion_ids.shape[0] / episodes
+    return metrics
 
 
 # Names this module held before the rollout tree and the update got modules of their own (issue #47).

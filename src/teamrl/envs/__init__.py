@@ -8,6 +8,7 @@ from teamrl.envs.base import ENVIRONMENTS, Environment, Step, make_env, register
 from teamrl.envs.checks import EnvironmentOutputError
 from teamrl.envs.dataset import DatasetTask
 from teamrl.envs.digit_sum import DigitSumGame
+from teamrl.envs.program import ProgramTask
 
 __all__ = ["ENVIRONMENTS", "DatasetTask", "DigitSumGame", "Environment", "EnvironmentOutputError", "Step", "make_env",
-           "register_env"]
+           "ProgramTask", "register_env"]

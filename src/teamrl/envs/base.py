@@ -58,6 +58,10 @@ class Environment(ABC):
     more. It decides what a joint action that early termination stopped is worth
     (docs/algorithm.md#early-termination-an-absorbing-state) and an episode's largest return."""
 
+    joint_prompts: bool = True
+    """Whether teamrl builds each agent's prompt of an item (:meth:`observe`); False for a program task, whose own
+    code builds every prompt and calls the agents one by one (:class:`~teamrl.envs.program.ProgramTask`)."""
+
     splits: dict[str, Sequence[Item]]
     """The dataset: items per split ('train' and the held-out 'eval'); set by the constructor. An item
     without an ``id`` gets ``"SPLIT-INDEX"`` (reports, samples and pairings name items by id)."""

@@ -85,21 +85,21 @@ class DatasetTask(Environment):
         self.num_agents = len(prompts)
         self.prompts = list(prompts)
         self.roles = tuple(roles)
-        self.reward_fn = _function(reward, "env.kwargs.reward")
-        self.individual_fn = _function(individual_reward, "env.kwargs.individual_reward")
-        self.feedback_fn = _function(feedback, "env.kwargs.feedback")
+        self.reward_fn = user_function(reward, "env.kwargs.reward")
+        self.individual_fn = user_function(individual_reward, "env.kwargs.individual_reward")
+        self.feedback_fn = user_function(feedback, "env.kwargs.feedback")
         self.max_turns = max_turns if max_turns is not None else (None if self.feedback_fn else 1)
         self.max_reward = float(max_reward)
-        data = _locate(data, train_split)
-        self.splits = _load_splits(data, eval_split, train_split, seed, num_train, num_eval, id_field)
+        data = locate_data(data, train_split)
+        self.splits = load_splits(data, eval_split, train_split, seed, num_train, num_eval, id_field)
         for split in self.splits:
             _check_templates(self.prompts, self.items(split), split)
         # What a saved team records to build this task again: names, not the functions themselves.
         self._constructor_arguments = ((), {
-            "data": data, "prompts": self.prompts, "reward": _path_of(self.reward_fn, "reward"),
+            "data": data, "prompts": self.prompts, "reward": path_of(self.reward_fn, "reward"),
             "eval_split": eval_split, "train_split": train_split, "roles": list(self.roles),
-            "individual_reward": _path_of(self.individual_fn, "individual_reward"),
-            "feedback": _path_of(self.feedback_fn, "feedback"), "max_turns": max_turns,
+            "individual_reward": path_of(self.individual_fn, "individual_reward"),
+            "feedback": path_of(self.feedback_fn, "feedback"), "max_turns": max_turns,
             "max_reward": max_reward, "id_field": id_field, "num_train": num_train, "num_eval": num_eval,
             "seed": seed})
 
@@ -110,7 +110,7 @@ class DatasetTask(Environment):
         function = {"joint_reward": self.reward_fn, "joint_rewards": self.reward_fn,
                     "individual_rewards": self.individual_fn, "individual_rewards_many": self.individual_fn,
                     "next_observations": self.feedback_fn}.get(method)
-        return _name(function) if function is not None else None
+        return function_name(function) if function is not None else None
 
     def observe(self, item: Item) -> list[str]:
         return [prompt.format_map(item) for prompt in self.prompts]
@@ -130,16 +130,8 @@ class DatasetTask(Environment):
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
         """The reward function's value as a RewardResult; whether it is a good one is checked where teamrl
         takes it (:mod:`teamrl.envs.checks`, whose errors name the function)."""
-        value = _call(self.reward_fn, list(actions), item, history)
-        if isinstance(value, RewardResult):
-            return value
-        if isinstance(value, dict) and _all_numbers(value.values()):
-            return RewardResult(sum(value.values()), {str(part): float(v) for part, v in value.items()})
-        if _all_numbers([value]):
-            return RewardResult(float(value))
-        raise EnvironmentOutputError(f"{_name(self.reward_fn)} returned {short_repr(value)} for item "
-                                     f"{item.get('id')!r}; a reward function returns a number, a dict of numbers or "
-                                     f"a RewardResult")
+        return reward_result(_call(self.reward_fn, list(actions), item, history), function_name(self.reward_fn),
+                             item)
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
         if self.individual_fn is None:
@@ -149,7 +141,7 @@ class DatasetTask(Environment):
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         if self.feedback_fn is None:
             return super().next_observations(item, history)
-        with user_code(_name(self.feedback_fn), item):
+        with user_code(function_name(self.feedback_fn), item):
             texts = self.feedback_fn(item, list(history))
         if isinstance(texts, str):
             texts = [texts] * self.num_agents
@@ -160,11 +152,25 @@ class DatasetTask(Environment):
                 for first, own, text in zip(self.observe(item), history[-1].actions, texts)]
 
 
+def reward_result(value: Any, function: str, item: Item) -> RewardResult:
+    """What a user's reward ``function`` returned for ``item`` as a RewardResult: a number, a dict of named parts
+    (summed) or a RewardResult; anything else is an EnvironmentOutputError naming the function and the item. (Whether
+    its numbers are finite is checked where teamrl takes it: :mod:`teamrl.envs.checks`.)"""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, dict) and _all_numbers(value.values()):
+        return RewardResult(sum(value.values()), {str(part): float(v) for part, v in value.items()})
+    if _all_numbers([value]):
+        return RewardResult(float(value))
+    raise EnvironmentOutputError(f"{function} returned {short_repr(value)} for item {item.get('id')!r}; it must "
+                                 f"return a number, a dict of numbers or a RewardResult")
+
+
 def _all_numbers(values: Any) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def _function(spec: str | Callable[..., Any] | None, field: str) -> Callable[..., Any] | None:
+def user_function(spec: str | Callable[..., Any] | None, field: str) -> Callable[..., Any] | None:
     if spec is None or callable(spec):
         return spec
     if not isinstance(spec, str):
@@ -175,16 +181,16 @@ def _function(spec: str | Callable[..., Any] | None, field: str) -> Callable[...
     return function
 
 
-def _path_of(function: Callable[..., Any] | None, field: str) -> str | None:
+def path_of(function: Callable[..., Any] | None, field: str) -> str | None:
     if function is None:
         return None
     path = import_path_of(function)
     if path is None:  # a lambda or a function in __main__: fine for this process, not for a saved team
-        return f"<{field}: {_name(function)} cannot be imported by name; define it in a module>"
+        return f"<{field}: {function_name(function)} cannot be imported by name; define it in a module>"
     return path
 
 
-def _name(function: Callable[..., Any]) -> str:
+def function_name(function: Callable[..., Any]) -> str:
     return import_path_of(function) or getattr(function, "__qualname__", repr(function))
 
 
@@ -195,11 +201,11 @@ def _call(function: Callable[..., Any], completions: list[str], item: Item, hist
     except (TypeError, ValueError):  # a builtin without a signature: the two plain arguments
         parameters = {}
     takes_history = "history" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    with user_code(_name(function), item):
+    with user_code(function_name(function), item):
         return function(completions, item, history=list(history)) if takes_history else function(completions, item)
 
 
-def _locate(data: str, train_split: str) -> str:
+def locate_data(data: str, train_split: str) -> str:
     """``data`` as an absolute path when it is a local file found in the working directory or a config's
     folder (so a saved team reads the same file from anywhere); other sources unchanged."""
     if not isinstance(data, str) or not data:
@@ -219,7 +225,7 @@ def _locate(data: str, train_split: str) -> str:
                      f"to one of those{f'; did you mean {close[0]!r}?' if close else ''}")
 
 
-def _load_splits(data: str, eval_split: str | int | float, train_split: str, seed: int, num_train: int | None,
+def load_splits(data: str, eval_split: str | int | float, train_split: str, seed: int, num_train: int | None,
                  num_eval: int | None, id_field: str) -> dict[str, list[Item]]:
     try:
         if has_splits(data):

@@ -27,6 +27,8 @@ from teamrl.rewards.base import RewardResult
 from teamrl.rollout.generate import derive_seed
 
 if TYPE_CHECKING:
+    from teamrl.envs.program import ProgramTask
+    from teamrl.rollout.episodes import Endpoint, ProgramEpisode
     from teamrl.rollout.tree import SampleFn
 
 #: Held-out items per sampling call: a generate call's cost grows faster than its batch (longer padded
@@ -185,6 +187,43 @@ def sample_records(env: Environment, episodes: Sequence[Episode], rewards: Seque
             record["scheme"] = env.cooperation_scheme(episode.item, episode.actions)
         records.append(record)
     return records
+
+
+def program_held_out(task: ProgramTask, endpoint: Endpoint, items: Sequence[Item], num_samples: int, seed: int,
+                     items_per_batch: int = EVAL_ITEMS_PER_BATCH) -> list[ProgramEpisode]:
+    """``num_samples`` episodes of a program task on each of ``items`` (item-major), played against ``endpoint``
+    (the agents of a training run, or whatever answers there), ``items_per_batch`` items' episodes at once, batch b
+    seeded by ``derive_seed(seed, b)``: the held-out evaluation of a program, as :func:`sample_held_out` is another
+    task's."""
+    from teamrl.rollout.episodes import run_episodes
+
+    episodes = []
+    for batch, start in enumerate(range(0, len(items), items_per_batch)):
+        rollout = run_episodes(task, endpoint, items[start:start + items_per_batch], num_samples,
+                               seed=derive_seed(seed, batch))
+        episodes += [episode for group in rollout.episodes for episode in group]
+    return episodes
+
+
+def program_view(episodes: Sequence[ProgramEpisode], agent_names: Sequence[str],
+                 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """:func:`training_view`'s numbers and records for a program's episodes: ``reward/mean`` and ``reward/std`` as
+    training computes them, ``reward/PART`` and ``count/NAME`` means, ``calls/AGENT`` (calls per episode); each record
+    with the agents' answers in the order the program called them."""
+    totals = torch.tensor([episode.result.total for episode in episodes])
+    view = {"reward/mean": float(totals.mean()), "reward/std": float(totals.std()) if totals.numel() > 1 else 0.0}
+    view.update({f"reward/{name}": value for name, value in
+                 sorted(summarise_levels([episode.result.parts for episode in episodes]).items())})
+    view.update({f"count/{name}": value for name, value in
+                 sorted(summarise_levels([episode.result.counts for episode in episodes]).items())})
+    for index, name in enumerate(agent_names):
+        view[f"calls/{name}"] = statistics.fmean(sum(call.agent == index for call in episode.calls)
+                                                 for episode in episodes)
+    samples = [{"item": episode.item.get("id"),
+                "calls": [{"agent": agent_names[call.agent], "text": call.completion.text} for call in episode.calls],
+                "reward": episode.result.total, "reward_parts": episode.result.parts,
+                "reward_counts": episode.result.counts} for episode in episodes]
+    return view, samples
 
 
 def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
