@@ -126,9 +126,10 @@ def _add_serve(commands: argparse._SubParsersAction, parents: Parents) -> None:
         "serve", parents=parents["runs_models"],
         help="serve a saved team on an OpenAI-compatible HTTP API",
         description="Serve a saved team: POST /v1/chat/completions with model TEAM (the agents answer the last user "
-                    "message's input, each its own observation, concurrently; the parts joined) or TEAM/AGENT (one "
-                    "agent chats), streaming included; GET /v1/models, /health, /metrics. Concurrent requests are "
-                    "batched. SIGTERM or Ctrl-C: requests in flight finish, new ones are refused, exit 0. "
+                    "message's input, each its own observation, concurrently; the parts joined) or TEAM/AGENT or "
+                    "AGENT (one agent chats: what a program trained by teamrl calls), streaming included; POST "
+                    "/v1/completions (an agent continues a prompt); GET /v1/models, /health, /metrics. Concurrent "
+                    "requests are batched. SIGTERM or Ctrl-C: requests in flight finish, new ones are refused, exit 0. "
                     "docs/serving.md#serve.")
     serve.add_argument("team", help="directory written by training (RUN_DIR/team)")
     serve.add_argument("--host", default="127.0.0.1",
@@ -141,7 +142,13 @@ def _add_serve(commands: argparse._SubParsersAction, parents: Parents) -> None:
     serve.add_argument("--batch-window-ms", type=float, default=10.0,
                        help="requests arriving within this window share one generate call per base model "
                             "(default: %(default)s; 0: no batching)")
-    serve.add_argument("--max-batch", type=int, default=32, help="most requests in one generate call (default: 32)")
+    serve.add_argument("--batching", choices=("window", "continuous"), default="window",
+                       help="'window': requests arriving within --batch-window-ms share a generate call; 'continuous': "
+                            "a request joins the rows decoding at the next step and leaves when it ends (default: "
+                            "%(default)s); docs/serving.md#batching")
+    serve.add_argument("--max-batch", type=int, default=32,
+                       help="most requests in one generate call; with --batching continuous, most rows decoding at "
+                            "once (default: 32)")
     serve.add_argument("--max-body-bytes", type=int, default=1_000_000,
                        help="larger request bodies get 413 (default: %(default)s)")
     serve.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: %(default)s)")
@@ -441,7 +448,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(args.team, name=args.name, api_key=args.api_key or os.environ.get("TEAMRL_API_KEY") or None,
                      batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
                      max_body_bytes=args.max_body_bytes, device=args.device, dtype=args.dtype,
-                     max_new_tokens=args.max_new_tokens, vllm_url=args.vllm_url, vllm_timeout_s=args.vllm_timeout)
+                     max_new_tokens=args.max_new_tokens, vllm_url=args.vllm_url, vllm_timeout_s=args.vllm_timeout,
+                     batching=args.batching)
     served = app.state.served
 
     def listening(url: str) -> None:

@@ -138,9 +138,10 @@ class ProgramTask(Environment):
                          f"action of its own")
 
     def vocabulary(self) -> list[str]:
-        """For the word-level 'tiny' test model: every word of the items' text fields, then :attr:`words`."""
+        """For the word-level 'tiny' test model: every word of the items' text fields (not their ids), then
+        :attr:`words`."""
         texts = [value for split in self.splits for item in list(self.items(split))[:VOCABULARY_ITEMS]
-                 for value in item.values() if isinstance(value, str)]
+                 for key, value in item.items() if isinstance(value, str) and key != "id"]
         return list(dict.fromkeys([word for text in texts for word in text.split()] + self.words))
 
     def _endpoint_variable(self, base_url: str):

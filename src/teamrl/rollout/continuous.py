@@ -51,6 +51,8 @@ class TokenRequest:
     """The completion ends where its text first contains one of these (the text returned stops before it)."""
     seed: int | None = None
     """Draws from a stream of its own seeded so (the same tokens for the same inputs); None: torch's global one."""
+    ignore_eos: bool = False
+    """Decode ``max_new_tokens`` tokens whatever is drawn (benchmarks' fixed-length requests, as vLLM's option)."""
 
 
 @dataclass
@@ -247,7 +249,7 @@ class ContinuousBatcher:
 
     def _finish_reason(self, row: _Row) -> str | None:
         """'stop', 'length' or None (the row goes on); sets ``row.text``."""
-        ended = row.tokens[-1] in row.eos
+        ended = row.tokens[-1] in row.eos and not row.request.ignore_eos
         with self._tokenizer_locks[id(row.agent.tokenizer)]:
             row.text = row.agent.tokenizer.decode(row.tokens, skip_special_tokens=True)
         for stop in row.request.stop:
