@@ -10,9 +10,9 @@ import torch
 from teamrl.algorithms.advantages import episode_advantages
 from teamrl.algorithms.magrpo import MAGRPO
 from teamrl.config import ConfigError
+from teamrl.registry import ADVANTAGES
 from teamrl.rollout.continuous import TokenCompletion
 from teamrl.rollout.episodes import ProgramRollout, as_generation
-from teamrl.registry import ADVANTAGES
 
 
 def _rollout(rewards: list[list[float]], calls: dict[int, list[int]], num_agents: int = 2) -> ProgramRollout:

@@ -77,6 +77,7 @@ def test_a_saved_team_records_the_program_and_its_agents_and_builds_the_task_aga
     task.seat(["planner", "writer"])
     record = env_record(task)
     assert record["name"] == "program"
-    assert record["kwargs"]["program"] == f"{__name__}:two_parts" and record["kwargs"]["agents"] == ["planner", "writer"]
+    assert record["kwargs"]["program"] == f"{__name__}:two_parts"
+    assert record["kwargs"]["agents"] == ["planner", "writer"]
     again = rebuild_env(record)
     assert again.agents == ["planner", "writer"] and again.splits == task.splits and not again.joint_prompts

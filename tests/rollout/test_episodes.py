@@ -34,7 +34,8 @@ def pipeline(item, base_url):
     agents = client(base_url)
     plan = agents.chat.completions.create(model="first", messages=[{"role": "user", "content": item["text"]}])
     for _ in range(item["writes"]):
-        agents.chat.completions.create(model="second", messages=[{"role": "user", "content": plan.choices[0].message.content}])
+        agents.chat.completions.create(model="second",
+                                       messages=[{"role": "user", "content": plan.choices[0].message.content}])
     return {"plan": float(len(plan.choices[0].message.content.split())), "bonus": 1.0}
 
 
@@ -81,8 +82,8 @@ def programs(tmp_path, monkeypatch):
     module = f"programs_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(PROGRAMS))
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "items.jsonl").write_text("".join(json.dumps({"id": f"item{n}", "text": "3 4 5", "writes": n % 3}) + "\n"
-                                                  for n in range(6)))
+    items = [{"id": f"item{n}", "text": "3 4 5", "writes": n % 3} for n in range(6)]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
     return module
 
 

@@ -69,7 +69,8 @@ def test_a_chat_of_the_agents_role_and_an_observation_is_prompted_token_for_toke
     try:
         episode = ProgramEpisode("c", {"id": "i0"}, seed=3)
         _client(gateway, episode).chat.completions.create(
-            model="first", messages=[{"role": "system", "content": "you add digits"}, {"role": "user", "content": "4 5"}])
+            model="first",
+            messages=[{"role": "system", "content": "you add digits"}, {"role": "user", "content": "4 5"}])
         ids, mask = encode_prompts(agent, [agent.prompt("4 5")])
         assert episode.calls[0].completion.prompt_ids == ids[0][mask[0].bool()].tolist()
     finally:

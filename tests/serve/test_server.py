@@ -145,8 +145,8 @@ def test_sigterm_lets_the_request_in_flight_finish_refuses_new_ones_and_exits_0(
         ready, _, _ = select.select([server.stdout], [], [], 120)
         assert ready, "the server printed nothing in 120 s"
         line = server.stdout.readline()
-        assert line.startswith("teamrl serve: digits, digits/first, digits/second, first, second on http://127.0.0.1:"), \
-            line
+        names = "digits, digits/first, digits/second, first, second"
+        assert line.startswith(f"teamrl serve: {names} on http://127.0.0.1:"), line
         url = line.split(" on ")[1].strip().removesuffix("/v1")
         answers = []
 
