@@ -85,7 +85,7 @@ def test_a_stop_string_ends_the_completion_and_is_cut_from_its_text(batcher):
     cut = batcher.submit(_request(batcher, 0, "3 4", sampling={"max_new_tokens": 12}, ignore_eos=True, seed=3,
                                   stop=(stop,))).result(30)
     assert cut.finish_reason == "stop"
-    assert stop not in cut.text and cut.text.strip() == " ".join(words[:words.index(stop)])
+    assert stop not in cut.text and cut.text.strip() == free.result().text[:free.result().text.find(stop)].strip()
     assert len(cut.completion_ids) < 12
 
 
@@ -96,3 +96,40 @@ def test_a_cancelled_request_stops_decoding_and_the_rest_go_on(batcher):
     assert len(keep.result(30).completion_ids) == 30
     assert drop.cancelled() or isinstance(drop.exception(30), BaseException)
     assert batcher.wait_idle(10)
+
+
+def test_a_prompt_opening_as_an_earlier_one_runs_only_its_rest_with_the_same_log_probs(batcher):
+    opening = " ".join(["3 4 5 6 7"] * 6)  # 30 words: far more than the shortest opening reused
+    first = batcher.submit(_request(batcher, 1, opening + " 1 2", seed=1)).result(30)
+    ran = batcher.prefilled_tokens
+    # Later (no longer in one step with the first): the opening is not run again, only what follows it.
+    later = [batcher.submit(_request(batcher, 1, opening + ending, seed=2)) for ending in (" 1 2", " 8 9 9")]
+    second, third = (future.result(30) for future in later)
+    assert batcher.prefilled_tokens - ran <= 2 + 3 + 2  # the last token of the repeat, the new ending's three
+    agent = batcher.team[1]
+    agent.activate()
+    for completion in (first, second, third):
+        prompt, tokens = torch.tensor([completion.prompt_ids]), torch.tensor([completion.completion_ids])
+        with torch.no_grad():
+            recomputed = token_logprobs(agent.model, prompt, torch.ones_like(prompt), tokens, torch.ones_like(tokens),
+                                        temperature=agent.sampling.temperature)[0]
+        torch.testing.assert_close(recomputed, torch.tensor(completion.logprobs), atol=1e-4, rtol=0)
+
+
+def test_prompts_prefilled_before_the_weights_changed_are_run_again(batcher):
+    prompt = _request(batcher, 0, " ".join(["3 4 5 6 7"] * 6), seed=1)
+    batcher.submit(prompt).result(30)
+    assert batcher.wait_idle(10)
+    agent = batcher.team[0]
+    with torch.no_grad():
+        for parameter in agent.parameters:
+            parameter.add_(0.5)  # an optimiser step, in place
+    ran = batcher.prefilled_tokens
+    again = batcher.submit(prompt).result(30)
+    assert batcher.prefilled_tokens - ran == len(prompt.prompt_ids)
+    agent.activate()
+    ids, tokens = torch.tensor([again.prompt_ids]), torch.tensor([again.completion_ids])
+    with torch.no_grad():
+        recomputed = token_logprobs(agent.model, ids, torch.ones_like(ids), tokens, torch.ones_like(tokens),
+                                    temperature=agent.sampling.temperature)[0]
+    torch.testing.assert_close(recomputed, torch.tensor(again.logprobs), atol=1e-4, rtol=0)

@@ -93,8 +93,12 @@ class ContinuousBatcher:
         self._idle_lock = threading.Lock()  # a submit never slips between the worker's last look and its idle flag
         self._tokenizer_locks = {id(agent.tokenizer): threading.Lock() for agent in team}
         self._rows: dict[int, _Row] = {}
+        self._prompts: dict[int, tuple[tuple, _PromptCache]] = {}
+        """Per base model: the prompts prefilled lately, with the state of the weights they were computed with."""
         self.steps = 0
         """Decoding steps run so far (every base's step counts once)."""
+        self.prefilled_tokens = 0
+        """Prompt tokens run so far (those of an opening an earlier prompt shared are not run again)."""
 
     # ------------------------------------------------------------------------------------------ the callers' side
 
@@ -210,7 +214,14 @@ class ContinuousBatcher:
             for model_id, agents in _by_model(self.team).items():
                 names = [agent.adapter for agent in agents if agent.adapter is not None]
                 self._adapters[model_id] = RowAdapters.build(agents[0].model, names) if names else RowAdapters()
-            yield
+                weights = _weights_state(agents[0].model)
+                if self._prompts.get(model_id, (None,))[0] != weights:  # trained since: the cached keys are stale
+                    self._prompts[model_id] = (weights, _PromptCache())
+            try:
+                yield
+            finally:
+                for batch in self._batches.values():
+                    batch.unroute()
 
     def _admit(self) -> None:
         """Prefill the waiting rows that fit (``max_rows`` per base) and have them join their base's batch."""
@@ -228,8 +239,9 @@ class ContinuousBatcher:
                 still_waiting.append(row)
         self._waiting = still_waiting
         for model_id, rows in joining.items():
-            batch = self._batches.setdefault(model_id, _Batch(rows[0].agent.model, self._adapters[model_id]))
-            batch.join(rows)
+            batch = self._batches.setdefault(model_id, _Batch(rows[0].agent.model, self._adapters[model_id],
+                                                              self._prompts[model_id][1]))
+            self.prefilled_tokens += batch.join(rows)
             self._retire(batch)  # a row may end with its first token
 
     def _retire(self, batch: _Batch) -> None:
@@ -291,35 +303,75 @@ class _Row:
 class _Batch:
     """The rows decoding on one base model, and their keys and values."""
 
-    def __init__(self, model: torch.nn.Module, adapters: RowAdapters):
+    def __init__(self, model: torch.nn.Module, adapters: RowAdapters, prompts: _PromptCache):
         self.model, self.adapters = model, adapters
         self.rows: list[_Row] = []
         self.cache: Cache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         """(rows, columns used) 1 where a row has a token: rows are right-aligned, every row's next at column n."""
+        self._route = contextlib.ExitStack()
+        self._routing: dict | None = None
+        self._routed: list[str | None] = []
+        self.prompts = prompts
+        """The keys and values of the prompts prefilled lately, for later prompts that open alike."""
 
-    def join(self, rows: list[_Row]) -> None:
-        """Prefill ``rows`` (each distinct prompt of an agent once), draw their first tokens and add them."""
+    def join(self, rows: list[_Row]) -> int:
+        """Prefill ``rows`` and add them, their first tokens drawn: each distinct prompt of an agent once, and only
+        the part after the longest opening a prompt prefilled earlier (with the same weights) shares with it (the G
+        episodes of an item send their first prompt at about the same time, not in one step). Returns the prompt
+        tokens it ran."""
         device = next(self.model.parameters()).device
         keys = [(row.agent.adapter, row.request.prompt_ids) for row in rows]
         distinct = list(dict.fromkeys(keys))
+        self.unroute()
+        fresh = [key for key in distinct if self.prompts.longest(*key)[0] == 0]
+        prefilled = dict(zip(fresh, self._prefill(fresh, device))) if fresh else {}
+        ran = sum(len(ids) for _, ids in fresh)
+        for key in distinct:
+            if key not in prefilled:
+                shared, opening = self.prompts.longest(*key)
+                prefilled[key] = self._prefill_after(key, shared, opening)
+                ran += len(key[1]) - shared
+            self.prompts.add(*key, prefilled[key][0])
         width = max(len(ids) for _, ids in distinct)
-        ids = torch.zeros(len(distinct), width, dtype=torch.long, device=device)
+        layers = [(torch.cat([_left_pad_keys(prefilled[key][0][layer][0], width) for key in keys]),
+                   torch.cat([_left_pad_keys(prefilled[key][0][layer][1], width) for key in keys]))
+                  for layer in range(len(prefilled[distinct[0]][0]))]
+        mask = torch.stack([_right_aligned_ones(len(ids), width, device) for _, ids in keys])
+        self._append(layers, mask)
+        self.rows += rows
+        _draw(rows, torch.cat([prefilled[key][1] for key in keys]))
+        self._group_by_adapter()
+        return ran
+
+    def _prefill(self, prompts: list[tuple[str | None, tuple[int, ...]]], device: torch.device,
+                 ) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+        """Each of ``prompts`` (adapter, ids) run in one left-padded pass: its (1, heads, length, dim) keys and values
+        per layer, and its (1, vocabulary) last logits."""
+        width = max(len(ids) for _, ids in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
-        for r, (_, prompt) in enumerate(distinct):
+        for r, (_, prompt) in enumerate(prompts):
             ids[r, width - len(prompt):] = torch.tensor(prompt, device=device)
             mask[r, width - len(prompt):] = 1
-        names = self._names([name for name, _ in distinct])
-        with self.adapters.route(names) as routing:
+        with self.adapters.route(self._names([name for name, _ in prompts])) as routing:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                              **cache_arg(DynamicCache()), use_cache=True, logits_to_keep=1, **routing)
-        which = torch.tensor([distinct.index(key) for key in keys], device=device)
-        prompt_cache = cache_of(out)
-        layers = [(layer.keys.index_select(0, which), layer.values.index_select(0, which))
-                  for layer in prompt_cache.layers]
-        self._append(layers, mask.index_select(0, which))
-        self.rows += rows
-        _draw(rows, out.logits[:, -1].index_select(0, which))
+        layers = cache_of(out).layers
+        return [([(layer.keys[r:r + 1, :, width - len(prompt):], layer.values[r:r + 1, :, width - len(prompt):])
+                  for layer in layers], out.logits[r:r + 1, -1]) for r, (_, prompt) in enumerate(prompts)]
+
+    def _prefill_after(self, key: tuple[str | None, tuple[int, ...]], length: int,
+                       opening: list[tuple[torch.Tensor, torch.Tensor]],
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """``key``'s prompt run after the keys and values of its first ``length`` tokens (``opening``)."""
+        name, prompt = key
+        rest = torch.tensor([prompt[length:]], device=opening[0][0].device)
+        past = DynamicCache([(keys[:, :, :length], values[:, :, :length]) for keys, values in opening])
+        with self.adapters.route(self._names([name])) as routing:
+            out = self.model(input_ids=rest, position_ids=torch.arange(length, len(prompt), device=rest.device)[None],
+                             **cache_arg(past), use_cache=True, logits_to_keep=1, **routing)
+        return [(layer.keys, layer.values) for layer in cache_of(out).layers], out.logits[:, -1]
 
     def step(self) -> None:
         """One decoding step for every row: each row's last token in, its next token drawn."""
@@ -327,15 +379,30 @@ class _Batch:
         tokens = torch.tensor([[row.tokens[-1]] for row in self.rows], device=device)
         positions = self.mask.sum(dim=1, keepdim=True)
         self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=1)
-        with self.adapters.route(self._names([row.agent.adapter for row in self.rows])) as routing:
-            out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
-                             **cache_arg(self.cache), use_cache=True, **routing)
+        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
+                         **cache_arg(self.cache), use_cache=True, **self._routed_rows())
         _draw(self.rows, out.logits[:, -1])
+
+    def _routed_rows(self) -> dict:
+        """Route each row through its adapter: set up once for as long as the rows stay the same (building a route
+        stacks every layer's adapters, a tenth of a step), the keyword arguments the forward call needs."""
+        names = [row.agent.adapter for row in self.rows]
+        if self._routing is None or names != self._routed:
+            self.unroute()
+            self._routing = self._route.enter_context(self.adapters.route(self._names(names)))
+            self._routed = names
+        return self._routing
+
+    def unroute(self) -> None:
+        """The model's layers back as they are outside this batch's decoding steps."""
+        self._route.close()
+        self._routing = None
 
     def keep(self, indices: list[int]) -> None:
         """Only rows ``indices`` go on; columns no remaining row uses are dropped."""
         self.rows = [self.rows[i] for i in indices]
         if not self.rows:
+            self.unroute()
             self.cache, self.mask = None, torch.zeros(0, 0, dtype=torch.long)
             return
         which = torch.tensor(indices, device=self.mask.device)
@@ -344,6 +411,18 @@ class _Batch:
         self.mask = mask[:, first:]
         for layer in self.cache.layers:
             layer.select(which, first)
+
+    def _group_by_adapter(self) -> None:
+        """Reorder the rows so that each adapter's are consecutive: a decoding step then runs each adapter once on its
+        block of rows (:class:`~teamrl.models.lora.RowAdapters`), not once per run of rows."""
+        order = sorted(range(len(self.rows)), key=lambda r: self.rows[r].agent.adapter or "")
+        if order == list(range(len(self.rows))):
+            return
+        which = torch.tensor(order, device=self.mask.device)
+        self.rows = [self.rows[r] for r in order]
+        self.mask = self.mask.index_select(0, which)
+        for layer in self.cache.layers:
+            layer.select(which, 0)
 
     def _names(self, adapters: Sequence[str | None]) -> list[str] | None:
         return None if self.adapters.model is None else list(adapters)
@@ -408,8 +487,68 @@ class _Slots(DynamicLayer):
         self._place([self.keys, keys], [self.values, values], width)
 
 
+class _PromptCache:
+    """Prompts prefilled lately (their keys and values, by adapter and token ids), at most :data:`PROMPT_CACHE_TOKENS`
+    tokens of them, the least recently used dropped first."""
+
+    def __init__(self):
+        self.entries: dict[tuple[str | None, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def longest(self, adapter: str | None, ids: tuple[int, ...]) -> tuple[int, list | None]:
+        """The most tokens of ``ids`` (all but the last: its logits are needed) a cached prompt of ``adapter`` opens
+        with, and that prompt's keys and values; (0, None) below :data:`MIN_REUSED_TOKENS`."""
+        best, found = 0, None
+        for name, cached in self.entries:
+            if name != adapter:
+                continue
+            shared = _common_prefix(cached, ids, len(ids) - 1)
+            if shared > best:
+                best, found = shared, (name, cached)
+        if best < MIN_REUSED_TOKENS:
+            return 0, None
+        self.entries[found] = self.entries.pop(found)  # most recently used last
+        return best, self.entries[found]
+
+    def add(self, adapter: str | None, ids: tuple[int, ...], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.entries.pop((adapter, ids), None)
+        self.entries[(adapter, ids)] = [(keys.clone(), values.clone()) for keys, values in layers]
+        while sum(len(key[1]) for key in self.entries) > PROMPT_CACHE_TOKENS and len(self.entries) > 1:
+            self.entries.pop(next(iter(self.entries)))
+
+
+def _weights_state(model: torch.nn.Module) -> tuple:
+    """What changes when ``model``'s weights do: every parameter's storage and in-place version counter (an optimiser
+    step, a checkpoint loaded into them)."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+#: Prompt tokens whose keys and values a batch keeps for later prompts that open alike (about 0.4 GB for a
+#: SmolLM2-135M-sized model); a prompt opening shorter than MIN_REUSED_TOKENS alike is prefilled whole.
+PROMPT_CACHE_TOKENS = 8192
+MIN_REUSED_TOKENS = 8
+
 #: Columns a rebuilt cache buffer keeps free for the next decoding steps (a full one is rebuilt with as many more).
 HEADROOM = 64
+
+
+def _left_pad_keys(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """(1, heads, length, dim) ``keys`` with zero positions on the left up to ``width``."""
+    pad = keys.new_zeros(keys.shape[0], keys.shape[1], width - keys.shape[2], keys.shape[3])
+    return torch.cat([pad, keys], dim=2)
+
+
+def _right_aligned_ones(length: int, width: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(width, dtype=torch.long, device=device)
+    mask[width - length:] = 1
+    return mask
 
 
 def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
