@@ -205,6 +205,33 @@ def program_held_out(task: ProgramTask, endpoint: Endpoint, items: Sequence[Item
     return episodes
 
 
+def program_score(task: Environment, episodes: Sequence[ProgramEpisode], num_samples: int, agent_names: Sequence[str],
+                  seconds: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """A program's metrics and records under ``teamrl eval``'s names (:func:`method_metrics`, :func:`sample_records`):
+    normalised return, reward mean and spread, each part's and count's mean, tokens and seconds, and ``calls/AGENT``
+    (calls per episode); each record's ``actions`` are each agent's answers in the episode, joined."""
+    rewards = [episode.result for episode in episodes]
+    totals = [reward.total for reward in rewards]
+    tokens = sum(len(call.completion.completion_ids) for episode in episodes for call in episode.calls)
+    metrics = {"normalised_return": normalised_return(totals, task.max_return(1)),
+               "reward_mean": statistics.fmean(totals), "reward_std": statistics.pstdev(totals)}
+    metrics.update({f"level/{name}": value for name, value in summarise_levels([r.parts for r in rewards]).items()})
+    metrics.update({f"count/{name}": value for name, value in summarise_levels([r.counts for r in rewards]).items()})
+    for index, name in enumerate(agent_names):
+        metrics[f"calls/{name}"] = statistics.fmean(sum(call.agent == index for call in episode.calls)
+                                                    for episode in episodes)
+    metrics.update({"tokens": float(tokens), "seconds": seconds, "tokens_per_answer": tokens / len(episodes),
+                    "seconds_per_answer": seconds / len(episodes),
+                    "tokens_per_s": tokens_per_second(tokens, max(seconds, 1e-9))})
+    records = [{"item": episode.item.get("id"), "sample": index % num_samples,
+                "actions": ["\n---\n".join(call.completion.text for call in episode.calls if call.agent == seat)
+                            for seat in range(len(agent_names))],
+                "calls": [{"agent": agent_names[call.agent], "text": call.completion.text} for call in episode.calls],
+                "reward": episode.result.total, "parts": episode.result.parts, "counts": episode.result.counts}
+               for index, episode in enumerate(episodes)]
+    return metrics, records
+
+
 def program_view(episodes: Sequence[ProgramEpisode], agent_names: Sequence[str],
                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """:func:`training_view`'s numbers and records for a program's episodes: ``reward/mean`` and ``reward/std`` as

@@ -14,6 +14,7 @@ from teamrl.registry import BASELINES
 TEAM_PREFIX = "team"
 _TITLES = {"single": "single agent", "concat": "naive concatenation (untrained team)",
            "sequential": "sequential pipeline", "discussion": "one-round discussion"}
+_PROGRAM_TITLES = {"single": "one model answering every agent's calls", "concat": "untrained team"}
 
 
 @dataclass(frozen=True)
@@ -28,18 +29,26 @@ class Method:
     """``single:MODEL``: the single agent's model spec."""
     team_dir: Path | None = None
     """``team:PATH``: the saved team."""
+    program: bool = False
+    """It answers a program's calls (a program task): ``concat`` is then its untrained team, ``single`` one model
+    answering every agent's calls."""
 
     @property
     def title(self) -> str:
         """A readable name for tables and plots."""
         if self.team_dir is not None:
             return f"trained team ({self.team_dir})"
-        title = _TITLES.get(self.baseline, self.baseline)
+        title = (_PROGRAM_TITLES if self.program else _TITLES).get(self.baseline, self.baseline)
         return f"{title} ({self.model})" if self.model else title
 
     @property
     def description(self) -> str:
         """What the method does and what each agent sees: the summary line of its baseline's docstring."""
+        if self.program:
+            who = ("the saved team's agents (trained)" if self.team_dir is not None else
+                   "one model, under every agent's name" if self.baseline == "single" else
+                   "the untrained team: each agent its base model")
+            return f"The program plays its episodes as it is; {who} answer its calls."
         if self.team_dir is not None:
             return ("Every agent answers its own observation; the answers are the joint action. The agents are "
                     "the saved team's (trained), run decentralised and sampled as training's held-out evaluation "

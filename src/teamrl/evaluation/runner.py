@@ -12,6 +12,11 @@ length, so both stand on one scale. Per method: normalised return, mean reward a
 mean of each reward part; for coding tasks pass@k, accuracy@k, the fraction of tests passed and the
 cooperation-scheme distribution; for every method tokens, seconds and tokens/s of generation.
 
+A program task (``env.name: program``) is played by its program, whoever answers its calls: ``team:PATH`` (the
+trained agents), ``concat`` (the untrained team: each agent its base model) and ``single`` or ``single:MODEL`` (one
+model answering every agent's calls), each behind a gateway of its own (:mod:`teamrl.serve.gateway`); a program
+decides itself who sees what, so ``sequential`` and ``discussion`` do not apply.
+
 Methods (``--methods``, comma-separated): ``single`` (the first agent's model does the whole job),
 ``single:MODEL`` (another model, any ``team.model`` spec), ``concat``, ``sequential``, ``discussion``
 (the baselines of :mod:`teamrl.evaluation.baselines`, on the untrained team the config describes) and
@@ -21,11 +26,13 @@ answers its own observation; a policy trained with ``algorithm.name: centralized
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,12 +43,15 @@ from teamrl.envs.centralized import CentralizedEnv
 from teamrl.envs.checks import first_observations
 from teamrl.evaluation.baselines import MethodOutput
 from teamrl.evaluation.heldout import sample_held_out, score
-from teamrl.evaluation.methods import EvalSettings, Method
+from teamrl.evaluation.methods import EvalSettings, Method, parse_methods
 from teamrl.imports import ENVIRONMENT_GROUP, entry_point, is_import_path
 from teamrl.inference import check_context
 from teamrl.registry import BASELINES
 from teamrl.rollout.generate import sample_team
 from teamrl.team import Agent, Team, load_base_model
+
+if TYPE_CHECKING:
+    from teamrl.envs.program import ProgramTask
 
 
 @dataclass
@@ -129,6 +139,8 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
         raise ValueError(f"--split: {err}") from None
     if not items:
         raise ValueError(f"--split: {config.env.name} has no {settings.split!r} items")
+    if not env.joint_prompts:
+        return _run_program_evaluation(config, env, items, settings, log)
     is_code = type(env).test_pass_rate is not Environment.test_pass_rate
     if any(m.baseline == "single" for m in settings.methods) and \
             type(env).single_agent_observation is Environment.single_agent_observation:
@@ -154,6 +166,62 @@ def run_evaluation(config: TrainConfig, settings: EvalSettings,
     return EvalResults(config.env.name, settings.split, len(items), settings.num_samples, settings.ks,
                        env.max_reward, is_code, [agent.name for agent in config.team.agents], results,
                        config_to_dict(config), config.algorithm.num_turns, env.max_return(config.algorithm.num_turns))
+
+
+#: The methods a program task runs when ``--methods`` is left as it is (the prompt-only pipelines are not its).
+PROGRAM_METHODS = "single,concat"
+
+
+def _run_program_evaluation(config: TrainConfig, task: ProgramTask, items: Sequence[Item], settings: EvalSettings,
+                            log: Callable[[str], None]) -> EvalResults:
+    """:func:`run_evaluation` of a program task: every method plays the program's episodes behind a gateway."""
+    from teamrl.evaluation.heldout import program_held_out, program_score
+    from teamrl.serve.gateway import Gateway
+
+    names = [agent.name for agent in config.team.agents]
+    task.seat(names)
+    methods = settings.methods
+    if methods == EvalSettings().methods:
+        methods = tuple(parse_methods(PROGRAM_METHODS))
+    methods = tuple(dataclasses.replace(method, program=True) for method in methods)
+    refused = [method.spec for method in methods if method.baseline not in (None, "single", "concat")]
+    if refused:
+        raise ValueError(f"--methods: {refused[0]}: {config.env.name} is a program, which decides itself who sees "
+                         f"what; use single (one model answers every agent's calls), concat (its untrained team) and "
+                         f"team:PATH")
+    teams = [_program_team(config, task, method, settings.team_sampling) for method in methods]
+    results = []
+    for method, team in zip(methods, teams):
+        log(f"{method.spec}: {len(items)} items x {settings.num_samples} episodes ...")
+        began = time.perf_counter()
+        with Gateway(team, task) as gateway:
+            episodes = program_held_out(task, gateway, items, settings.num_samples, config.seed)
+        metrics, samples = program_score(task, episodes, settings.num_samples, names, time.perf_counter() - began)
+        log(f"{method.spec}: normalised return {metrics['normalised_return']:.3f}, "
+            f"{metrics['tokens_per_s']:.1f} tokens/s")
+        results.append(MethodResult(method, metrics, samples, 1, task.max_return(1)))
+    return EvalResults(config.env.name, settings.split, len(items), settings.num_samples, settings.ks,
+                       task.max_reward, False, names, results, config_to_dict(config), 1, task.max_return(1))
+
+
+def _program_team(config: TrainConfig, task: ProgramTask, method: Method,
+                  team_sampling: Literal["saved", "config"]) -> Team:
+    """Who answers the program's calls for ``method``: the saved team, the config's untrained team, or one model
+    under every agent's name (``single``: the first agent's base model, ``single:MODEL`` another)."""
+    names = [agent.name for agent in config.team.agents]
+    if method.team_dir is not None:
+        team = _load_teams(config, task, [method], team_sampling)[0]
+        if [agent.name for agent in team] != names:
+            raise ValueError(f"--methods: {method.spec}: the saved team's agents {[a.name for a in team]} are not "
+                             f"the config's {names}")
+        return team
+    if method.baseline == "concat":
+        return Team.from_config(config.team, task, seed=config.seed)
+    spec = method.model or config.team.agents[0].model or config.team.model
+    model, tokenizer = load_base_model(spec, task, seed=config.seed, dtype=getattr(torch, config.team.dtype),
+                                       device=config.team.device)
+    return Team([Agent(name=name, model=model, tokenizer=tokenizer, sampling=config.team.agent_sampling(0),
+                       use_chat_template=config.team.use_chat_template, base_spec=spec) for name in names])
 
 
 def method_turns(method: Method, played: Environment, num_turns: int) -> int:
