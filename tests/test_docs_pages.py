@@ -43,7 +43,7 @@ QUICK = {
     "compare": [*TINY, "--seeds", "0", "--minutes", "0", "--steps", "1", "--eval-items", "1", "--eval-samples", "1"],
 }
 # Appended to `python SCRIPT`: a few requests, one cell.
-SCRIPTS = {"benchmarks/serve_load.py": ["--concurrency", "1", "--requests", "1", "--windows", "10", "--methods",
+SCRIPTS = {"benchmarks/serve_load.py": ["--concurrency", "1", "--requests", "1", "--batching", "10", "--methods",
                                         "team"]}
 README_EXAMPLE = "from teamrl import Team, Trainer, load_config, make_env"
 
