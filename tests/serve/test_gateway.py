@@ -97,3 +97,11 @@ def test_a_prompt_over_the_context_is_a_400_and_a_fault_and_an_ended_episode_a_4
     gateway.close(episode)
     with pytest.raises(openai.NotFoundError, match="has ended"):
         client.chat.completions.create(model="first", messages=[{"role": "user", "content": "3"}])
+
+
+def test_a_streamed_call_of_an_episode_is_recorded_and_streamed_whole(gateway):
+    episode = ProgramEpisode("s", {"id": "i0"}, seed=6)
+    chunks = _client(gateway, episode).chat.completions.create(
+        model="second", messages=[{"role": "user", "content": "3 4"}], stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert [call.agent for call in episode.calls] == [1] and episode.calls[0].completion.text == text
