@@ -120,11 +120,11 @@ class ContinuousBatcher:
             raise RuntimeError("the continuous batcher is not running")
         agent = self.team[request.agent]
         row = _Row(request, agent, Future(), generator=_generator(request.seed))
+        self._rows[id(row.future)] = row
+        row.future.add_done_callback(lambda done: self._rows.pop(id(done), None))
         with self._idle_lock:
             self._idle.clear()
             self._queue.put(row)
-        self._rows[id(row.future)] = row
-        row.future.add_done_callback(lambda done: self._rows.pop(id(done), None))
         return row.future
 
     def cancel(self, future: Future) -> None:
