@@ -87,7 +87,8 @@ class LocalBackend:
             self.schedulers.append(scheduler)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        return generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
+        return generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed,
+                             compile=self.config.rollout.compile)
 
     def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
         return [policy_logprobs(agent, gen, reference) for agent, gen in zip(self.team, generations)]

@@ -449,6 +449,19 @@ class RolloutConfig:
         "vLLM: free the engine's GPU memory while the agents update; one engine only, i.e. LoRA agents on one base "
         "(docs/vllm.md#enabling-it).", False
     )
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _doc(
+        "vLLM: the engines' dtype; 'auto' = team.dtype when 16-bit, else bfloat16 (docs/vllm.md#enabling-it).", "auto"
+    )
+    compile: bool = _doc(
+        "transformers: let generate() torch.compile the decoding step on CUDA (its default with a static cache); "
+        "false asks it not to (docs/performance.md#compiling-the-decoding-step).", False
+    )
+
+    def engine_dtype(self, team_dtype: str) -> str:
+        """The dtype vLLM runs in for a team whose ``team.dtype`` is ``team_dtype`` (see ``vllm_dtype``)."""
+        if self.vllm_dtype != "auto":
+            return self.vllm_dtype
+        return team_dtype if team_dtype in ("bfloat16", "float16") else "bfloat16"
 
     def validate(self, path: str) -> None:
         _check(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
