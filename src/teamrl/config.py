@@ -88,6 +88,8 @@ class AgentConfig:
         "Per-agent overrides of `team.sampling`, e.g. {temperature: 0.7, max_new_tokens: 128}.", factory=dict
     )
     lr: float | None = _doc("This agent's learning rate; empty = `optim.lr`.", None)
+    enable_thinking: bool | None = _doc("This agent's chat-template thinking option; empty = `team.enable_thinking`.",
+                                        None)
 
 
 @dataclass
@@ -109,6 +111,10 @@ class TeamConfig:
     sampling: SamplingConfig = _doc("Sampling settings shared by all agents.", factory=SamplingConfig)
     use_chat_template: bool = _doc("Wrap each observation in the tokenizer's chat template, role as system message.",
                                    True)
+    enable_thinking: bool = _doc(
+        "The chat template's enable_thinking option (Qwen3 thinks by default; off: an empty thinking block) "
+        "(docs/training.md#chat-template-options).", False
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _doc(
         "Base weights' dtype: float32, bfloat16 or float16 (docs/performance.md#bfloat16-on-cpu).", "float32"
     )
@@ -137,6 +143,11 @@ class TeamConfig:
         if self.training == "full":
             return len(self.agents)
         return len({agent.model or self.model for agent in self.agents})
+
+    def agent_enable_thinking(self, index: int) -> bool:
+        """Agent ``index``'s ``enable_thinking``: its own, else the team's."""
+        own = self.agents[index].enable_thinking
+        return self.enable_thinking if own is None else own
 
     def agent_sampling(self, index: int) -> SamplingConfig:
         """The team's sampling settings with agent ``index``'s overrides applied."""

@@ -26,6 +26,7 @@ from torch import nn
 from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
 from teamrl.models.attention import use_grouped_attention
+from teamrl.models.chat import render_chat, stop_token_ids
 from teamrl.models.onednn import use_onednn_linears
 
 
@@ -39,6 +40,8 @@ class Agent:
     sampling: SamplingConfig
     system_prompt: str | None = None
     use_chat_template: bool = True
+    enable_thinking: bool | None = False
+    """The chat template's ``enable_thinking`` option (Qwen3's thinking block); None: the template's default."""
     adapter: str | None = None
     """Name of this agent's LoRA adapter inside ``model`` (None when the agent owns ``model`` outright)."""
     reference_model: nn.Module | None = None
@@ -67,11 +70,9 @@ class Agent:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Every token id that ends a completion (the tokenizer's eos and the generation config's)."""
-        ids = {self.tokenizer.eos_token_id}
-        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(configured if isinstance(configured, list) else [configured])
-        return sorted(i for i in ids if i is not None)
+        """Every token id that ends a completion: the tokenizer's eos, the generation config's and the token that
+        closes an assistant turn in the chat template (:func:`~teamrl.models.chat.stop_token_ids`)."""
+        return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
     @property
     def uses_chat_template(self) -> bool:
@@ -83,7 +84,7 @@ class Agent:
         if self.uses_chat_template:
             messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             messages.append({"role": "user", "content": observation})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return render_chat(self.tokenizer, messages, self.enable_thinking)
         return f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
 
     def save_adapter(self, directory: str | Path) -> Path:
@@ -157,6 +158,7 @@ class Team:
                 sampling=config.agent_sampling(index),
                 system_prompt=agent_cfg.system_prompt or (env.roles[index] if index < len(env.roles) else None),
                 use_chat_template=config.use_chat_template,
+                enable_thinking=config.agent_enable_thinking(index),
                 base_spec=spec,
             )
             if config.training == "lora":
@@ -201,6 +203,7 @@ class Team:
                 "kind": "lora" if agent.adapter is not None else "full",
                 "system_prompt": agent.system_prompt,
                 "use_chat_template": agent.use_chat_template,
+                "enable_thinking": agent.enable_thinking,
                 "sampling": asdict(agent.sampling),
             })
         (root / "team.json").write_text(json.dumps({**(metadata or {}), "agents": manifest}, indent=2))
@@ -251,6 +254,8 @@ class Team:
                 name=entry["name"], model=model.eval(), tokenizer=tokenizer,
                 sampling=SamplingConfig(**entry["sampling"]), system_prompt=entry["system_prompt"],
                 use_chat_template=entry["use_chat_template"], adapter=adapter, base_spec=entry["base_model"],
+                # A team saved before the option existed was trained with its template's default.
+                enable_thinking=entry.get("enable_thinking"),
             ))
         return cls(agents)
 
