@@ -125,7 +125,7 @@ def export_team(team_dir: str | Path, out: str | Path, *, format: str = "peft", 
             _assign_base_folders(agents, lora_bases, out, base_path)
             for spec in lora_bases:
                 users = [a for a in agents if a.kind == "lora" and a.base_spec == spec]
-                _write_base(*bases[spec], staging / users[0].base_folder, spec, [a.name for a in users])
+                _write_base(*bases[spec], staging / users[0].base_folder, spec, users)
         for index, agent in enumerate(agents):
             target = staging / agent.name
             if agent.kind == "full":
@@ -271,18 +271,29 @@ def _assign_base_folders(agents: list[_AgentEntry], bases: list[str], out: Path,
 # Writing the folders
 
 
-def _write_base(model, tokenizer, target: Path, spec: str, agent_names: list[str]) -> None:
+def _write_base(model, tokenizer, target: Path, spec: str, users: list[_AgentEntry]) -> None:
+    """The LoRA agents' base as a plain checkpoint. Its generation_config.json holds the agents' sampling (when they
+    share one): ``vllm serve`` of this folder fills every sampling field a request leaves out from it."""
+    shared = all(agent.sampling == users[0].sampling for agent in users)
+    model.generation_config = _with_sampling(model.generation_config, users[0].sampling if shared else
+                                             {**users[0].sampling, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     front = _front_matter("transformers", _hub_origin(spec))
+    sampling_note = (f"Its `generation_config.json` holds the agents' sampling settings "
+                     f"({_sampling_line(users[0].sampling)}), which `vllm serve` applies to any request that "
+                     f"leaves one out." if shared else
+                     "The agents sample differently, so its `generation_config.json` applies no sampling filter: "
+                     "a request to `vllm serve` must send the agent's own settings (each agent's "
+                     "`generation_config.json` holds them; `teamrl serve --vllm-url` sends them).")
     _write_text(target / CARD_FILE, front + textwrap.dedent(f"""
         # Base model of a teamrl team
 
-        The frozen base model that the LoRA adapters of {_names(agent_names)} apply to (teamrl model spec
-        `{spec}`{_origin_note(spec)}), saved as a plain transformers checkpoint with its tokenizer. Each
+        The frozen base model that the LoRA adapters of {_names([a.name for a in users])} apply to (teamrl model
+        spec `{spec}`{_origin_note(spec)}), saved as a plain transformers checkpoint with its tokenizer. Each
         adapter's `adapter_config.json` names this folder in `base_model_name_or_path`; see the team's
         README.md.
-        """))
+        """) + "\n" + sampling_note + "\n")
 
 
 def _write_adapter(source: Path, target: Path, agent: _AgentEntry, base_model) -> None:
@@ -323,18 +334,26 @@ def _generation_config(model_config, agent: _AgentEntry):
     (:attr:`teamrl.team.Agent.eos_token_ids`): ``generate`` then samples as the team was trained to."""
     from teamrl.models.chat import stop_token_ids
 
+    config = _with_sampling(model_config, agent.sampling)
+    eos = stop_token_ids(agent.tokenizer, config)
+    config.eos_token_id = eos if len(eos) != 1 else eos[0]
+    if config.pad_token_id is None:
+        config.pad_token_id = agent.tokenizer.pad_token_id
+    return config
+
+
+def _with_sampling(model_config, sampling: dict[str, Any]):
+    """A copy of ``model_config`` that samples as ``sampling`` (an agent's settings) says, and nothing else: the
+    filters teamrl never applies (a hub model's own, e.g. Qwen2.5-Instruct's repetition_penalty 1.05) off."""
     config = copy.deepcopy(model_config)
     config._from_model_config = False  # else generate() may replace it with the model config's settings
-    sampling = agent.sampling
     config.do_sample = True
     config.temperature = sampling["temperature"]
     config.top_p = sampling["top_p"]
     config.top_k = sampling["top_k"]  # 0 turns it off, in transformers as in teamrl
     config.max_new_tokens = sampling["max_new_tokens"]
-    eos = stop_token_ids(agent.tokenizer, config)
-    config.eos_token_id = eos if len(eos) != 1 else eos[0]
-    if config.pad_token_id is None:
-        config.pad_token_id = agent.tokenizer.pad_token_id
+    config.min_p = None
+    config.repetition_penalty = 1.0
     return config
 
 
