@@ -226,8 +226,9 @@ def test_the_base_and_agent_folders_sample_as_trained_whatever_the_hub_config_sa
     """``vllm serve OUT/base`` fills a request's missing sampling fields from base/generation_config.json, and plain
     generate() samples with an agent's: both hold the trained sampling, not the hub model's (here Qwen2.5-Instruct's
     repetition_penalty and top_k, Qwen3's top_p and temperature)."""
-    import teamrl.export
     from transformers import GenerationConfig
+
+    import teamrl.export
 
     load_base = teamrl.export._load_base
 

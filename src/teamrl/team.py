@@ -28,6 +28,7 @@ from teamrl.envs.base import Environment
 from teamrl.models.attention import use_grouped_attention
 from teamrl.models.chat import render_chat, stop_token_ids
 from teamrl.models.onednn import use_onednn_linears
+from teamrl.models.precision import train_in_mixed_precision
 
 
 @dataclass
@@ -150,7 +151,8 @@ class Team:
                 model, tokenizer = shared_bases[spec]
             else:
                 model, tokenizer = load_base_model(spec, env, seed=seed, dtype=dtype, device=config.device,
-                                                   onednn_linear=config.onednn_linear)
+                                                   onednn_linear=config.onednn_linear,
+                                                   trained_whole=config.training == "full")
             agent = Agent(
                 name=agent_cfg.name,
                 model=model,
@@ -261,9 +263,11 @@ class Team:
 
 
 def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str,
-                    onednn_linear: bool = True):
+                    onednn_linear: bool = True, trained_whole: bool = False):
     """Load a base model and tokenizer from a model spec (see ``TeamConfig.model``); ``onednn_linear``: see
-    :attr:`TeamConfig.onednn_linear`."""
+    :attr:`TeamConfig.onednn_linear`. ``trained_whole``: every weight will train (full fine-tuning), so a 16-bit
+    ``dtype`` is the compute dtype and the weights are kept in float32
+    (:func:`~teamrl.models.precision.train_in_mixed_precision`)."""
     if spec == "tiny":
         from teamrl.models.tiny import tiny_model_and_tokenizer
 
@@ -278,9 +282,12 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
     model = model.to(device=device, dtype=dtype)
+    mixed = trained_whole and dtype != torch.float32
+    if mixed:
+        train_in_mixed_precision(model, dtype)
     if torch.device(device).type == "cpu":
         use_grouped_attention(model)
-        if onednn_linear:
+        if onednn_linear and not mixed:  # under autocast oneDNN's layers run as nn.Linear: nothing to gain
             use_onednn_linears(model)
     return model, tokenizer
 

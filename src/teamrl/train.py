@@ -66,6 +66,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+GIB = 2**30
+"""Bytes in a GiB: memory metrics are in GiB, as torch and nvidia-smi count."""
+
 
 def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:
     """Item indices of ``step`` (0-based): consecutive slices of per-epoch shuffles, a pure function of its args.
@@ -524,14 +527,16 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 def memory_metrics() -> dict[str, float]:
-    """This process's memory now: resident (``memory/rss_gb``, Linux), its peak so far
-    (``memory/peak_rss_gb``) and, on a GPU, the peak allocated by torch (``memory/cuda_peak_gb``).
-    Logged every step, so a run shows whether its memory stays flat. Where the OS does not say (no
-    /proc, or no ``resource`` module on Windows), that metric is left out."""
+    """This process's memory now, in GiB (2**30 bytes): resident (``memory/rss_gib``, Linux), its peak so far
+    (``memory/peak_rss_gib``) and, on a GPU, the peaks of what torch allocated to tensors
+    (``memory/cuda_peak_allocated_gib``) and of what its caching allocator reserved from the device
+    (``memory/cuda_peak_reserved_gib``, what the GPU actually lost to this process; the gap is fragmentation and
+    cached blocks). Logged every step, so a run shows whether its memory stays flat. Where the OS does not say
+    (no /proc, or no ``resource`` module on Windows), that metric is left out."""
     metrics = {}
     try:
         with open("/proc/self/statm") as f:
-            metrics["memory/rss_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+            metrics["memory/rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
     except OSError:  # not Linux
         pass
     try:
@@ -540,9 +545,10 @@ def memory_metrics() -> dict[str, float]:
         pass
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
-        metrics["memory/peak_rss_gb"] = peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+        metrics["memory/peak_rss_gib"] = peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        metrics["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        metrics["memory/cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        metrics["memory/cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     return metrics
 
 

@@ -307,7 +307,8 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     assert engine.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     kwargs = engine.kwargs
     assert kwargs["enable_lora"] and kwargs["max_loras"] == 2 and kwargs["max_lora_rank"] == 8
-    assert kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "float32" and kwargs["gpu_memory_utilization"] == 0.3
+    # rollout.vllm_dtype auto: a float32 team samples in bfloat16 (vLLM in float32: twice the memory, no fast kernels)
+    assert kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "bfloat16" and kwargs["gpu_memory_utilization"] == 0.3
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["max_model_len"] is None
     exported = AutoModelForCausalLM.from_pretrained(kwargs["model"])
     assert not any("lora" in name for name in exported.state_dict())
@@ -339,6 +340,19 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     assert {a.lora_int_id for a in engine.calls[-1][2]} == {5, 6}
     assert engine.events[-2:] == ["generate", "generate"]
     assert len(fake_vllm) == 1 and not engine.loaded
+
+
+@pytest.mark.parametrize("team_dtype,vllm_dtype,engine", [("float32", "auto", "bfloat16"),
+                                                           ("float16", "auto", "float16"),
+                                                           ("float32", "float32", "float32"),
+                                                           ("bfloat16", "auto", "bfloat16")])
+def test_vllm_runs_in_16_bits_unless_asked_otherwise(tiny_config, fake_vllm, team_dtype, vllm_dtype, engine, caplog):
+    """Also a bfloat16 team trained fully, whose weights are float32 (master weights, teamrl.models.precision)."""
+    trainer = _vllm_trainer(tiny_config, steps=1, team={"dtype": team_dtype}, rollout={"vllm_dtype": vllm_dtype})
+    trainer.agents.sample([["target 9"], ["target 9"]], 2, 0)
+    assert [e.kwargs["dtype"] for e in fake_vllm] == [engine, engine]  # two fully fine-tuned agents: two engines
+    warned = [r.getMessage() for r in caplog.records if "rollout.vllm_dtype" in r.getMessage()]
+    assert bool(warned) == (engine != team_dtype)
 
 
 def test_full_fine_tuning_pushes_weights_into_engines_that_share_the_gpu(tiny_config, fake_vllm):
@@ -435,7 +449,9 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
     pytest.importorskip("vllm", reason="vllm not installed")
     trainer = Trainer(tiny_config(steps=1, team={"model": "bundled", "training": training, "device": "cuda",
                                                  "sampling": {"max_new_tokens": 16}}))
-    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3), workdir=tmp_path)
+    # vLLM in the team's float32, so that the log-probs compare within 0.02 (by default it samples in bfloat16)
+    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, vllm_dtype="float32"),
+                          workdir=tmp_path)
     prompts = [[agent.prompt(obs[i]) for obs in (trainer.env.observe(it) for it in trainer.items[:2])]
                for i, agent in enumerate(trainer.team)]
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -50,8 +51,11 @@ import torch
 
 from teamrl.backend import LocalBackend
 from teamrl.config import ConfigError, RolloutConfig, SamplingConfig, TrainConfig, vllm_sleep_mode_rule
+from teamrl.models.precision import compute_dtype
 from teamrl.rollout.generate import Generation, completion_mask, decode_completions, derive_seed, encode_prompts, seeded
 from teamrl.team import Agent, Team
+
+log = logging.getLogger(__name__)
 
 #: The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig``, 0.10.2 to 0.33; 0.33 also takes 1).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -289,8 +293,9 @@ class VLLMSampler:
         lora_rank = None
         if first.adapter is not None:
             lora_rank = max(agent.model.peft_config[agent.adapter].r for agent in agents)
+        dtype = getattr(torch, self.config.engine_dtype(str(compute_dtype(first.model)).removeprefix("torch.")))
         kwargs = engine_kwargs(
-            export_model(first, self.root / f"model-{len(self._engines)}"), next(first.model.parameters()).dtype,
+            export_model(first, self.root / f"model-{len(self._engines)}"), dtype,
             gpu_memory_utilization=memory_share, max_model_len=self.config.max_model_len,
             sleep_mode=self.config.sleep_between_rollouts, lora_rank=lora_rank, num_adapters=len(agents))
         with _in_process_engine():
@@ -368,6 +373,11 @@ class VLLMBackend(LocalBackend):
     def __init__(self, team: Team, config: TrainConfig):
         super().__init__(team, config)
         self.sampler = VLLMSampler(config.rollout)
+        engine_dtype = config.rollout.engine_dtype(config.team.dtype)
+        if config.rollout.vllm_dtype == "auto" and engine_dtype != config.team.dtype:
+            log.warning("rollout.vllm_dtype: vLLM samples in %s while the team trains in %s (vLLM in float32 takes "
+                        "twice the memory and runs without its fast attention kernels); set "
+                        "rollout.vllm_dtype=float32 to sample in float32", engine_dtype, config.team.dtype)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return self.sampler.generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
