@@ -186,6 +186,13 @@ def make_backend(config: TrainConfig, env: Environment, team: Team | None = None
         from teamrl.distributed import RayTeam
 
         return RayTeam(config, env)
+    if config.distributed.backend == "fsdp":
+        if team is not None:
+            raise ValueError("distributed.backend: 'fsdp' builds and shards the team on every rank from the config; "
+                             "pass no team object, or use 'local'")
+        from teamrl.distributed.fsdp import FSDPBackend
+
+        return FSDPBackend.from_config(config, env)
     if team is None:
         team = Team.from_config(config.team, env, seed=config.seed, need_reference=config.algorithm.uses_reference)
     if config.rollout.backend == "vllm":

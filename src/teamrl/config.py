@@ -170,6 +170,10 @@ class EnvConfig:
 ALGORITHM_NAMES = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "iac", "maac", "madpo",
                    "marlhf")
 
+#: The algorithms ``distributed.backend: fsdp`` runs: those whose learning goes through the agents' backend alone
+#: (the others hold a critic or reward model of their own, which it does not shard).
+FSDP_ALGORITHMS = ("magrpo", "mareinforce", "marloo", "maremax", "centralized", "madpo")
+
 #: The algorithms that are MAGRPO with their own advantage estimator (CoMLRL's trainers of those names):
 #: ``algorithm.name: marloo`` says what ``name: magrpo, advantage: rloo`` says, and an ``algorithm.advantage``
 #: other than its own is an error.
@@ -508,8 +512,9 @@ def vllm_sleep_mode_rule(engines: int) -> str:
 class DistributedConfig:
     """Where the agents live: in this process, or each in its own Ray actor on a machine or a cluster."""
 
-    backend: Literal["local", "ray"] = _doc(
-        "Where agents run: 'local' (this process) or 'ray' (a Ray actor each; docs/distributed.md).", "local"
+    backend: Literal["local", "ray", "fsdp"] = _doc(
+        "Where agents run: 'local' (this process), 'ray' (a Ray actor each) or 'fsdp' (every model sharded across "
+        "the processes of a torchrun job) (docs/distributed.md).", "local"
     )
     address: str | None = _doc(
         "Ray: cluster to join, as ray.init takes it; empty = Ray's default (docs/distributed.md#config).",
@@ -585,6 +590,22 @@ class TrainConfig:
                    self.rollout.backend)
         if self.rollout.backend == "vllm":
             self._check_vllm_limits()
+        if self.distributed.backend == "fsdp":
+            self._check_fsdp_limits()
+
+    def _check_fsdp_limits(self) -> None:
+        """What ``distributed.backend: fsdp`` shards (teamrl.distributed.fsdp): checked here, before a GPU is used."""
+        _check(self.algorithm.name in FSDP_ALGORITHMS, "algorithm.name",
+               f"must be one of {', '.join(FSDP_ALGORITHMS)} with distributed.backend='fsdp' (the others train a "
+               f"critic or reward model of their own, which it does not shard); or use 'local' or 'ray'",
+               self.algorithm.name)
+        _check(self.rollout.backend == "transformers", "rollout.backend",
+               "must be 'transformers' with distributed.backend='fsdp' (vLLM rollouts are not wired to it yet)",
+               self.rollout.backend)
+        _check(not (self.team.training == "full" and self.algorithm.uses_reference), "algorithm.kl_coef",
+               "must be 0 with distributed.backend='fsdp' and team.training='full' (the KL reference would be a "
+               "second, unsharded copy of each model); train LoRA adapters, whose reference is their base",
+               self.algorithm.kl_coef)
 
     def _check_vllm_limits(self) -> None:
         """What vLLM refuses, or silently changes, for this team: checked here so that it fails at load time."""

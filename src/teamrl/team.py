@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -88,9 +88,10 @@ class Agent:
             return render_chat(self.tokenizer, messages, self.enable_thinking)
         return f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
 
-    def save_adapter(self, directory: str | Path) -> Path:
+    def save_adapter(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write this agent's LoRA adapter in PEFT's format (``adapter_model.safetensors`` and
-        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM.
+        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM. ``state_dict``: the
+        model's weights to read it from, where the model's own are not whole (sharded by FSDP).
 
         ``base_model_name_or_path`` names the base as transformers loads it without teamrl
         (:func:`~teamrl.models.loading.loadable_reference`), the same for every agent on that base: PEFT
@@ -105,7 +106,7 @@ class Agent:
             raise ValueError(f"agent {self.name!r} has no LoRA adapter to save (it trains its full model)")
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        state = get_peft_model_state_dict(self.model, state_dict=state_dict, adapter_name=self.adapter)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   str(target / "adapter_model.safetensors"))
         adapter_config = copy.copy(self.model.peft_config[self.adapter])  # the live one stays PEFT's
@@ -181,12 +182,15 @@ class Team:
                 agent.parameters = [p for n, p in agent.model.named_parameters() if marker in n and "lora_" in n]
         return cls(agents)
 
-    def save_pretrained(self, directory: str | Path, metadata: dict | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, metadata: dict | None = None, *,
+                        state_dict_of: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> Path:
         """Save every agent (its adapter, or its full weights) and tokenizer, plus a ``team.json`` manifest.
 
         An adapter is saved in PEFT's format, so ``PeftModel.from_pretrained(base, directory/agent)``
         loads it with no teamrl code. ``metadata`` (e.g. the environment and seed the team was
-        trained with) is stored in ``team.json`` for :meth:`from_pretrained`.
+        trained with) is stored in ``team.json`` for :meth:`from_pretrained`. ``state_dict_of(model)``: the
+        weights to write for an agent's model, where the model's own are not whole (sharded by FSDP; for a LoRA
+        model its adapters' entries suffice).
         """
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -194,10 +198,11 @@ class Team:
         for agent in self.agents:
             target = root / agent.name
             target.mkdir(exist_ok=True)
+            state_dict = None if state_dict_of is None else state_dict_of(agent.model)
             if agent.adapter is not None:
-                agent.save_adapter(target)
+                agent.save_adapter(target, state_dict)
             else:
-                agent.model.save_pretrained(str(target))
+                agent.model.save_pretrained(str(target), state_dict=state_dict)
             agent.tokenizer.save_pretrained(str(target))
             manifest.append({
                 "name": agent.name,
