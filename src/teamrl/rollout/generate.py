@@ -232,9 +232,9 @@ def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows
         parts.append((index, _prompt_pass(model, rest_ids, rest_mask, rows, routed, stem), stem))
     layers = []
     for layer in range(len(parts[0][1].layers)):
-        first = parts[0][1].layers[layer].keys
-        keys = first.new_empty(ids.shape[0], first.shape[1], ids.shape[1], first.shape[3])
-        values = torch.empty_like(keys)
+        first = parts[0][1].layers[layer]  # keys and values each in its own dtype (they differ under autocast)
+        keys = first.keys.new_empty(ids.shape[0], first.keys.shape[1], ids.shape[1], first.keys.shape[3])
+        values = first.values.new_empty(ids.shape[0], first.values.shape[1], ids.shape[1], first.values.shape[3])
         for index, part, stem in parts:
             own_keys, own_values = part.layers[layer].keys, part.layers[layer].values
             if stem is not None:
