@@ -599,9 +599,6 @@ class TrainConfig:
                f"must be one of {', '.join(FSDP_ALGORITHMS)} with distributed.backend='fsdp' (the others train a "
                f"critic or reward model of their own, which it does not shard); or use 'local' or 'ray'",
                self.algorithm.name)
-        _check(self.rollout.backend == "transformers", "rollout.backend",
-               "must be 'transformers' with distributed.backend='fsdp' (vLLM rollouts are not wired to it yet)",
-               self.rollout.backend)
         _check(not (self.team.training == "full" and self.algorithm.uses_reference), "algorithm.kl_coef",
                "must be 0 with distributed.backend='fsdp' and team.training='full' (the KL reference would be a "
                "second, unsharded copy of each model); train LoRA adapters, whose reference is their base",

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -473,3 +474,48 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
             for p in agent.parameters:
                 p.add_(torch.randn_like(p) * (0.5 if training == "lora" else 0.01))
     assert mismatch() < 0.02  # the engine serves the changed weights, not the old ones
+
+
+def test_fsdp_ranks_gather_what_rank_zeros_vllm_engine_serves(tiny_config, fake_vllm, tmp_path):
+    """distributed.backend: fsdp with vLLM rollouts, as a group of one in this process: rank 0's engine starts from
+    the gathered base, samples what the unsharded run's engine samples, and after an update gets the adapters as
+    the shards now hold them. (The stand-in's samples hash the weights' bytes, so the two runs' second rollouts,
+    from weights equal within 1e-7, would differ: one step is compared.)"""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    def run(backend: str):
+        trainer = _vllm_trainer(tiny_config, steps=1, items_per_step=2, algorithm={"num_generations": 4},
+                                team={"training": "lora", "onednn_linear": False}, optim={"lr": 1e-3},
+                                distributed={"backend": backend}, run_dir=str(tmp_path / backend),
+                                rollout={"gpu_memory_utilization": 0.3})  # both runs' engines fit the fake GPU
+        with trainer:
+            metrics = trainer.train_step()
+            states = [state.parameters for state in trainer.agents.states()]
+            trainer.agents.sample([["target 9"], ["target 9"]], 2, 0)  # the next rollout pushes the update
+            (engine,) = fake_vllm
+            sampler = trainer.agents.sampler
+            pushed = [load_file(str(Path(sampler._adapters[name].lora_path) / "adapter_model.safetensors"))
+                      for name in trainer.agent_names]
+            base = AutoModelForCausalLM.from_pretrained(engine.kwargs["model"]).state_dict()
+        return metrics, states, pushed, engine, base
+
+    single, single_states, _, single_engine, single_base = run("local")
+    fake_vllm.clear()
+    try:
+        sharded, states, pushed, engine, base = run("fsdp")
+    finally:
+        dist.destroy_process_group()
+    assert engine.kwargs["dtype"] == "bfloat16"
+    assert base.keys() == single_base.keys() and not any("lora" in name for name in base)  # the base, gathered whole
+    assert all(torch.equal(base[k], single_base[k]) for k in base)
+    assert [[a.lora_name for a in call[2]] for call in engine.calls] == \
+        [[a.lora_name for a in call[2]] for call in single_engine.calls]  # every update published, as unsharded
+    assert sharded["reward/mean"] == single["reward/mean"]  # the engines sampled alike
+    assert sharded["loss"] == pytest.approx(single["loss"], abs=1e-5)
+    for mine, one in zip(states, single_states):
+        assert max(float((mine[k] - one[k]).abs().max()) for k in one) < 1e-5
+    for adapter, state, name in zip(pushed, states, ("first", "second")):  # what the shards hold after the update
+        assert {k.replace(f".agent_{name}.", "."): v for k, v in state.items()}.keys() == adapter.keys()
+        assert all(torch.equal(state_value, adapter[k.replace(f".agent_{name}.", ".")])
+                   for k, state_value in state.items())

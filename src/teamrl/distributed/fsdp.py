@@ -17,8 +17,9 @@ A step, on every rank, with the same config and seed:
   transformers' ``synced_gpus`` keeps a rank that finished early stepping with the others, as FSDP needs), and
   rank 0's generations are broadcast, so every rank learns from the same tree. Rewards and advantages are
   computed on every rank alike. (Sampling is not split between ranks: a rank's share of rows would draw other
-  random numbers than one process does. For fast rollouts of a large agent use vLLM, not yet wired to this
-  backend.)
+  random numbers than one process does.) With ``rollout.backend: vllm``, rank 0 samples with vLLM instead: every
+  rank gathers the weights its engine needs (the base once, then the adapters, or a full model's weights, after
+  each change) and rank 0's sampler starts its engine from them and pushes them, as in one process.
 - **update**: each rank runs its share of each agent's micro-batches (micro-batch i on rank i mod world), with
   the loss normalised over the whole batch as one process normalises it, and FSDP sums the ranks' gradients
   (gradient divide factor 1): the sum is the one-process gradient. Every collective is rank-uniform: every rank
@@ -31,7 +32,7 @@ A step, on every rank, with the same config and seed:
 
 Limits, checked when the config loads: the algorithms that train the agents and nothing else (MAGRPO and its
 variants, ``centralized``, ``madpo``; the critics and reward model of ``iac``, ``maac``, ``marlhf`` are models of
-their own), rollouts in transformers, and no KL reference of a fully fine-tuned agent (a second model to shard).
+their own), and no KL reference of a fully fine-tuned agent (a second model to shard).
 docs/distributed.md says when to use this, when Ray actors, and how the two combine.
 """
 
@@ -56,6 +57,7 @@ from teamrl.backend import LocalBackend
 from teamrl.checkpoint import AgentState, parameter_names
 from teamrl.config import TrainConfig
 from teamrl.distributed.ranks import barrier, is_main_process
+from teamrl.models.precision import set_compute_dtype
 from teamrl.rollout.generate import Generation, generate_team, seeded
 from teamrl.team import Agent, Team
 
@@ -113,6 +115,7 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype, device: str) -> nn
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     root._is_fsdp_managed_module = True  # transformers' generate() then keeps the ranks' decoding steps in step
+    set_compute_dtype(model, compute_dtype)  # what vLLM's engine samples in (rollout.vllm_dtype auto)
     return model
 
 
@@ -165,6 +168,15 @@ class FSDPBackend(LocalBackend):
                 agent.parameters = [p for p in agent.model.parameters() if p.requires_grad]
         super().__init__(team, config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.sampler = None
+        """Rank 0's vLLM sampler (``rollout.backend: vllm``), fed weights gathered on every rank."""
+        self._gathered: dict[int, tuple] = {}
+        if config.rollout.backend == "vllm":
+            from teamrl.rollout.vllm_backend import VLLMSampler, say_engine_dtype
+
+            if self.rank == 0:
+                self.sampler = VLLMSampler(config.rollout)
+                say_engine_dtype(config)
 
     @classmethod
     def from_config(cls, config: TrainConfig, env: Environment) -> FSDPBackend:
@@ -177,11 +189,36 @@ class FSDPBackend(LocalBackend):
 
     # ----------------------------------------------------------------------------------------- sampling
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        generations = generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed,
-                                    compile=self.config.rollout.compile)
+        prompts = self.team.prompts(observations)
+        if self.config.rollout.backend == "vllm":
+            states = self._states_for_vllm()
+            generations = None if self.sampler is None else self.sampler.generate_team(
+                self.team, prompts, num_samples, seed=seed, state_of=lambda model: states[id(model)])
+        else:
+            generations = generate_team(self.team, prompts, num_samples, seed=seed, compile=self.config.rollout.compile)
         shared = [generations]
         dist.broadcast_object_list(shared, src=0, device=self._device())
         return shared[0]
+
+    def _states_for_vllm(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each model's whole weights that rank 0's vLLM sampler will read, gathered on every rank (a collective):
+        everything the first time (its engine starts from the base, or from the full model), then, after the
+        weights change (the sampler pushes then too), a LoRA model's adapters or a full model's every weight.
+        Nothing for a model whose weights did not change."""
+        from teamrl.rollout.vllm_backend import weights_version
+
+        states = {}
+        for model in dict.fromkeys(agent.model for agent in self.team):
+            agents = [agent for agent in self.team if agent.model is model]
+            version = tuple(weights_version(agent) for agent in agents)
+            if self._gathered.get(id(model)) == version:
+                states[id(model)] = {}
+                continue
+            started = id(model) in self._gathered
+            keep = (lambda name: "lora_" in name) if started and agents[0].adapter is not None else None
+            states[id(model)] = full_state_dict(model, keep)
+            self._gathered[id(model)] = version
+        return states
 
     def _device(self) -> torch.device:
         return next(self.team[0].model.parameters()).device

@@ -41,7 +41,7 @@ def train_in_mixed_precision(model: nn.Module, compute_dtype: torch.dtype) -> nn
     if isinstance(decoder, nn.Module) and decoder is not model:
         entries.append(decoder)
     for entry in entries:
-        setattr(entry, _COMPUTE_DTYPE, compute_dtype)
+        set_compute_dtype(entry, compute_dtype)
         # A bound method (not a closure over the module): deepcopy rebinds it to the copy (a KL reference).
         entry.forward = types.MethodType(_autocast_forward, entry)
     return model
@@ -51,6 +51,12 @@ def _autocast_forward(self: nn.Module, *args, **kwargs):
     device_type = next(self.parameters()).device.type
     with torch.autocast(device_type=device_type, dtype=getattr(self, _COMPUTE_DTYPE)):
         return type(self).forward(self, *args, **kwargs)
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Record that ``model`` computes in ``dtype`` whatever its weights' dtype (autocast here, or FSDP's mixed
+    precision policy)."""
+    setattr(model, _COMPUTE_DTYPE, dtype)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:

@@ -42,7 +42,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -121,20 +121,22 @@ def generation_from_outputs(
     )
 
 
-def export_model(agent: Agent, directory: str | Path) -> Path:
+def export_model(agent: Agent, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the weights vLLM should serve for ``agent`` as a transformers directory.
 
     For a LoRA agent: its frozen base, without any adapter (PEFT's wrapped layers are saved under their
-    original names). For a fully fine-tuned agent: its model as it is now.
+    original names). For a fully fine-tuned agent: its model as it is now. ``state_dict``: the agent's model's
+    weights, where the model's own are not whole (sharded by FSDP; for a LoRA agent, its PeftModel's).
     """
     directory = Path(directory)
-    state = None
+    state = state_dict
     model = agent.model
     if agent.adapter is not None:
         model = agent.model.get_base_model()
         # PEFT keeps the wrapped linear's own weight at `<module>.base_layer.weight`, next to its adapters.
-        state = {name.replace(".base_layer.", "."): tensor for name, tensor in model.state_dict().items()
-                 if "lora_" not in name}
+        weights = (model.state_dict() if state_dict is None else
+                   {name.removeprefix("base_model.model."): tensor for name, tensor in state_dict.items()})
+        state = {name.replace(".base_layer.", "."): tensor for name, tensor in weights.items() if "lora_" not in name}
     model.save_pretrained(str(directory), state_dict=state)
     return directory
 
@@ -240,11 +242,15 @@ class VLLMSampler:
         self._lora_ids = itertools.count(1)
 
     def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                      seed: int | None = None) -> list[Generation]:
+                      seed: int | None = None,
+                      state_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
+                      ) -> list[Generation]:
         """Every agent's ``num_samples`` completions of its prompts (``prompts[i]`` for agent i), in agent order.
 
         Agents that share a model (LoRA on one base) are sampled in one ``generate`` call of its engine.
-        Each request's vLLM seed is drawn from torch's RNG, seeded with ``seed`` when given.
+        Each request's vLLM seed is drawn from torch's RNG, seeded with ``seed`` when given. ``state_of(model)``:
+        the whole weights of an agent's model, where its own are sharded (FSDP gathers them on every rank
+        before rank 0 samples): what an engine starts from and what a push sends.
         """
         groups: dict[int, list[int]] = {}
         for i, agent in enumerate(team):
@@ -256,11 +262,12 @@ class VLLMSampler:
         results: dict[int, Generation] = {}
         for key, indices in groups.items():
             agents = [team[i] for i in indices]
-            engine = self._engine(key, agents, memory_share)
+            state = None if state_of is None else state_of(agents[0].model)
+            engine = self._engine(key, agents, memory_share, state)
             if engine.asleep:
                 engine.llm.wake_up()
                 engine.asleep = False
-            self._sync(engine, agents)
+            self._sync(engine, agents, state)
             encoded = [encode_prompts(agent, prompts[i]) for i, agent in zip(indices, agents)]
             requests, params, adapters = [], [], []
             with seeded(None if seed is None else derive_seed(seed, indices[0])):
@@ -285,8 +292,10 @@ class VLLMSampler:
         return [results[i] for i in range(len(team))]
 
     # ----------------------------------------------------------------------------------------------
-    def _engine(self, key: int, agents: list[Agent], memory_share: float) -> _Engine:
-        """The engine serving ``agents``' shared model, started on first use with ``memory_share`` of the GPU."""
+    def _engine(self, key: int, agents: list[Agent], memory_share: float,
+                state: dict[str, torch.Tensor] | None = None) -> _Engine:
+        """The engine serving ``agents``' shared model, started on first use with ``memory_share`` of the GPU
+        (from ``state``, the model's whole weights, where given)."""
         if key in self._engines:
             return self._engines[key]
         first = agents[0]
@@ -295,7 +304,7 @@ class VLLMSampler:
             lora_rank = max(agent.model.peft_config[agent.adapter].r for agent in agents)
         dtype = getattr(torch, self.config.engine_dtype(str(compute_dtype(first.model)).removeprefix("torch.")))
         kwargs = engine_kwargs(
-            export_model(first, self.root / f"model-{len(self._engines)}"), dtype,
+            export_model(first, self.root / f"model-{len(self._engines)}", state), dtype,
             gpu_memory_utilization=memory_share, max_model_len=self.config.max_model_len,
             sleep_mode=self.config.sleep_between_rollouts, lora_rank=lora_rank, num_adapters=len(agents))
         with _in_process_engine():
@@ -305,19 +314,19 @@ class VLLMSampler:
         self._engines[key] = engine
         return engine
 
-    def _sync(self, engine: _Engine, agents: list[Agent]) -> None:
-        """Push the weights of every agent in ``agents`` that changed since its last push, then reset the engine's
-        prefix cache if anything was pushed."""
+    def _sync(self, engine: _Engine, agents: list[Agent], state: dict[str, torch.Tensor] | None = None) -> None:
+        """Push the weights of every agent in ``agents`` that changed since its last push (read from ``state``, their
+        model's whole weights, where given), then reset the engine's prefix cache if anything was pushed."""
         pushed = False
         for agent in agents:
             version = weights_version(agent)
             if self._pushed.get(agent.name) == version:
                 continue
             if agent.adapter is not None:
-                self._adapters[agent.name] = self._publish_adapter(agent)
+                self._adapters[agent.name] = self._publish_adapter(agent, state)
             else:
-                state = agent.model.state_dict()
-                engine.llm.apply_model(lambda model, state=state: model.load_weights(weights=state.items()))
+                weights = agent.model.state_dict() if state is None else state
+                engine.llm.apply_model(lambda model, weights=weights: model.load_weights(weights=weights.items()))
             self._pushed[agent.name] = version
             pushed = True
         if pushed:
@@ -328,13 +337,14 @@ class VLLMSampler:
             if engine.llm.reset_prefix_cache() is False:
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight push (blocks in use)")
 
-    def _publish_adapter(self, agent: Agent) -> Any:
-        """Write ``agent``'s adapter to a fresh directory and return the ``LoRARequest`` that serves it."""
+    def _publish_adapter(self, agent: Agent, state: dict[str, torch.Tensor] | None = None) -> Any:
+        """Write ``agent``'s adapter (from ``state``, its model's whole weights, where given) to a fresh directory
+        and return the ``LoRARequest`` that serves it."""
         from vllm.lora.request import LoRARequest
 
         lora_id = next(self._lora_ids)
         name = f"{agent.name}-v{lora_id}"
-        path = agent.save_adapter(self.root / name)
+        path = agent.save_adapter(self.root / name, state)
         previous = self._adapters.get(agent.name)
         if previous is not None:
             shutil.rmtree(previous.lora_path, ignore_errors=True)  # its id is never requested again
@@ -366,6 +376,15 @@ def _in_process_engine() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
 
+def say_engine_dtype(config: TrainConfig) -> None:
+    """Warn, once per run, where ``rollout.vllm_dtype: auto`` samples in another dtype than the team trains in."""
+    engine_dtype = config.rollout.engine_dtype(config.team.dtype)
+    if config.rollout.vllm_dtype == "auto" and engine_dtype != config.team.dtype:
+        log.warning("rollout.vllm_dtype: vLLM samples in %s while the team trains in %s (vLLM in float32 takes "
+                    "twice the memory and runs without its fast attention kernels); set "
+                    "rollout.vllm_dtype=float32 to sample in float32", engine_dtype, config.team.dtype)
+
+
 class VLLMBackend(LocalBackend):
     """The agents in this process, updated with torch as :class:`~teamrl.backend.LocalBackend` does and
     sampled by vLLM (:class:`VLLMSampler`, which pushes the weights an update changed before it samples)."""
@@ -373,11 +392,7 @@ class VLLMBackend(LocalBackend):
     def __init__(self, team: Team, config: TrainConfig):
         super().__init__(team, config)
         self.sampler = VLLMSampler(config.rollout)
-        engine_dtype = config.rollout.engine_dtype(config.team.dtype)
-        if config.rollout.vllm_dtype == "auto" and engine_dtype != config.team.dtype:
-            log.warning("rollout.vllm_dtype: vLLM samples in %s while the team trains in %s (vLLM in float32 takes "
-                        "twice the memory and runs without its fast attention kernels); set "
-                        "rollout.vllm_dtype=float32 to sample in float32", engine_dtype, config.team.dtype)
+        say_engine_dtype(config)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return self.sampler.generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)
