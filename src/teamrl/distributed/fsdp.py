@@ -39,7 +39,6 @@ docs/distributed.md says when to use this, when Ray actors, and how the two comb
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -64,7 +63,6 @@ from teamrl.team import Agent, Team
 if TYPE_CHECKING:
     from teamrl.envs.base import Environment
 
-log = logging.getLogger(__name__)
 
 def init_distributed(device: str) -> str:
     """Join the torchrun job this process belongs to (a group of one when it was not launched by torchrun), and
