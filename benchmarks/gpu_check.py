@@ -549,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="teamrl-gpu-check-") as workdir:
         for name in args.models:
             results["models"][name] = check_model(name, tokenizer, args, Path(workdir))
+            if args.out:  # each model's results as soon as they are in: a run cut short keeps them
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
     results["total_s"] = time.perf_counter() - started
     untrained = [f"{name} {phase}" for name, model in results["models"].items() for phase in ("train", "full")
                  if phase in model and not model[phase]["every_agent_trained"]]
