@@ -196,7 +196,8 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
             model, tokenizer = load_base_model(method.model, env, seed=config.seed,
                                                dtype=getattr(torch, config.team.dtype), device=config.team.device)
             team = Team([Agent(name="single", model=model, tokenizer=tokenizer, sampling=config.team.agent_sampling(0),
-                               use_chat_template=config.team.use_chat_template, base_spec=method.model)])
+                               use_chat_template=config.team.use_chat_template,
+                               enable_thinking=config.team.agent_enable_thinking(0), base_spec=method.model)])
         else:
             if untrained is None:
                 untrained = Team.from_config(config.team, env, seed=config.seed)
