@@ -179,12 +179,12 @@ def _record(*passed: bool) -> ExecutionRecord:
                            status="completed", exit_code=0)
 
 
-def _probe(record: ExecutionRecord, contributed: tuple[int, ...] | None = None, forwarded: bool = False,
-           aux_alone: bool | None = None) -> CooperationProbe:
+def _probe(record: ExecutionRecord, contributed: tuple[int, ...] | None = None,
+           thin: tuple[int, ...] | None = ()) -> CooperationProbe:
     """A cooperation probe of ``record``'s passed tests; by default aux contributed to every one of them."""
     passed = tuple(outcome.index for outcome in record.tests if outcome.passed)
-    return CooperationProbe(passed=passed, contributed=passed if contributed is None else contributed,
-                            forwarded=forwarded, aux_alone=aux_alone, stub_record=_record())
+    contributed = passed if contributed is None else contributed
+    return CooperationProbe(passed=passed, contributed=contributed, thin=contributed if thin is ALL else thin)
 
 
 AUX_OK = "def aux(xs):\n    return sum(xs)\n"
@@ -222,13 +222,14 @@ ALL = None  # the probe found aux behind every passing test
     (AUX_OK, MAIN_THIN, (True, True), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
-    # thin by behaviour: main handed the stub's result back on every test, or aux alone passes them
-    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "forwarded": True},
+    # thin by behaviour: main's answer is aux's answer, or a part of it, on every credited test ...
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "thin": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
-    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "aux_alone": True},
+    # ... or on one of them: the non-wrapper part pays for the other
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "thin": (1,)},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
-      "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
+      "non_wrapper": 0.5, "ignored_aux_result": 0.0}),
     # a bare aux(...) statement in a main whose passing tests still depend on aux: the paper's penalty, scaled
     (AUX_OK, MAIN_IGNORES, (True, False), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.25,
@@ -363,17 +364,19 @@ def pool():
 
 
 def test_grade_team_code_runs_only_what_needs_running(pool):
-    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11")
+    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11", "assert entry([4]) == 8")
     grades = grade_team_code(
         aux_completions=[f"```python\n{AUX_OK}```", AUX_OK, "nothing here"],
         main_completions=[MAIN_COOPERATES, "I could not solve it.", "```python\ndef entry(xs)\n    return 0\n```"],
         entry_points=["entry"] * 3, tests=[tests] * 3, pool=pool)
     cooperative, missing, broken = grades
-    assert cooperative.record.passed == 2 and cooperative.record.tests[2].actual == "10"
-    # entry([]) == 0 passes without aux (main's own branch): aux is behind one held test of three.
-    assert cooperative.probe.passed == (0, 1) and cooperative.probe.contributed == (0,)
+    assert cooperative.record.passed == 3 and cooperative.record.tests[2].actual == "10"
+    # entry([]) == 0 passes without aux (main's own branch): aux is behind two held tests of four, each
+    # credited through the other (main answers 8 when aux answers 4, 6 when it answers 3).
+    assert cooperative.probe.passed == (0, 1, 3) and cooperative.probe.contributed == (0, 3)
     assert not cooperative.probe.thin
-    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 2 / 3 + (0.5 + 1.0) / 3)
+    assert [call.args for call in cooperative.probe.aux_record.tests[0].recorded_calls()] == [([1, 2],)]
+    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 3 / 4 + (0.5 + 1.0) * 2 / 4)
     assert missing.record is None and missing.probe is None and missing.reward.total == pytest.approx(0.4)
     assert broken.record is None and broken.reward.total == pytest.approx(0.6)
 
@@ -389,8 +392,9 @@ SORTING_AUX = "def aux(xs):\n    return sorted(xs)\n"
 # (helper, main, reward): the honest teams first, then ways to collect the cooperation bonus without aux
 # doing anything for a passing test, or with main doing nothing beyond aux. Structure and syntax are 1.5.
 COOPERATION_CASES = {
+    # Main's answer is aux's own on [] and [1] (reversing them changes nothing): thin there, 2 tests of 4.
     "aux does the core, main the rest": ("def aux(xs):\n    return sorted(xs, reverse=True)\n",
-                                         "def entry(xs):\n    return aux(xs)[::-1]\n", 4.0),
+                                         "def entry(xs):\n    return aux(xs)[::-1]\n", 3.5),
     "correct, without aux": (SORTING_AUX, "def entry(xs):\n    return sorted(xs)\n", 2.5),
     "aux called under if False": (SORTING_AUX,
                                   "def entry(xs):\n    if False:\n        aux(xs)\n    return sorted(xs)\n", 2.5),

@@ -16,16 +16,19 @@ concurrently.
 
 from teamrl.sandbox.bubblewrap import SandboxUnavailableError, find_bubblewrap
 from teamrl.sandbox.limits import SandboxLimits
-from teamrl.sandbox.program import Program, humaneval_tests
-from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
+from teamrl.sandbox.program import RUN, Call, Program, humaneval_tests
+from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, RecordedCall, TestOutcome
 from teamrl.sandbox.runner import SandboxError, SandboxPool, run_program
 
 __all__ = [
     "ABORTED",
     "COMPLETED",
+    "RUN",
     "TIMED_OUT",
+    "Call",
     "ExecutionRecord",
     "Program",
+    "RecordedCall",
     "SandboxError",
     "SandboxLimits",
     "SandboxPool",

@@ -35,7 +35,7 @@ from teamrl.sandbox.bubblewrap import (
 )
 from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
 from teamrl.sandbox.limits import SandboxLimits
-from teamrl.sandbox.program import Program
+from teamrl.sandbox.program import Call, Program
 from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
 from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, syscall_filter
 
@@ -272,11 +272,12 @@ def _end(proc: subprocess.Popen, grace_s: float) -> None:
 
 def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> ExecutionRecord:
     started = time.monotonic()
-    tests = [rewrite_asserts(test) for test in program.tests]
+    tests = [test.payload() if isinstance(test, Call) else rewrite_asserts(test) for test in program.tests]
+    modules = [() if isinstance(test, Call) else standard_modules_read(test) for test in program.tests]
     cgroup = _create_cgroup(backend, limits)
-    payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests,
-                          "modules": [standard_modules_read(test) for test in program.tests],
-                          "limits": _driver_limits(limits, cgroup), "sys_path": []})
+    payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests, "modules": modules,
+                          "limits": _driver_limits(limits, cgroup), "sys_path": [], "relay": program.relay,
+                          "record": program.record})
     scratch_dir = tempfile.TemporaryDirectory(prefix="teamrl-unsandboxed-") if backend.bwrap is None \
         else contextlib.nullcontext()  # bubblewrap provides the scratch directory itself
     try:
