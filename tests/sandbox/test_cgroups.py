@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from teamrl.sandbox import Program, SandboxPool
-from teamrl.sandbox.cgroups import Hierarchy, cgroup_directories, memory_cgroups
+from teamrl.sandbox.cgroups import Hierarchy, cgroup_directories, sandbox_cgroups
 
 V1_MOUNTINFO = """\
 28 22 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
@@ -39,7 +39,7 @@ def test_no_memory_controller_means_no_hierarchy():
 
 
 def test_each_sandbox_gets_its_own_cgroup_removed_afterwards(bubblewrap):
-    factory = memory_cgroups()
+    factory = sandbox_cgroups()
     if factory is None:
         pytest.skip("no writable memory cgroup on this machine (the split-limit fallback is tested instead)")
     with SandboxPool(workers=2) as pool:
