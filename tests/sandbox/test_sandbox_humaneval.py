@@ -8,6 +8,9 @@ import copy
 import doctest
 import gzip
 import json
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -263,3 +266,183 @@ def test_a_disguised_thin_wrapper_earns_no_non_wrapper_bonus(problems, humaneval
     assert all(grade.probe.forwarded for grade in grades)
     assert {row["task_id"]: grade.reward.total for row, grade in zip(rows, grades)
             if grade.reward.total != pytest.approx(3.0)} == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# Round three (issue #51): telling the cooperation probes from the real run, gating main's own answer
+# on aux's value, dodging the thin-wrapper rule, randomness, and more of the same kind.
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A HumanEval problem as the attacks below need it: the entry point, its parameters as written in
+    a ``def`` and as a call's arguments, and the canonical solution under any name."""
+
+    row: dict
+    entry: str
+    signature: str
+    arguments: str
+
+    @classmethod
+    def of(cls, row: dict) -> _Problem:
+        module = ast.parse(row["prompt"] + row["canonical_solution"])
+        entry = next(node for node in module.body
+                     if isinstance(node, ast.FunctionDef) and node.name == row["entry_point"])
+        names = [arg.arg for arg in entry.args.posonlyargs + entry.args.args]
+        return cls(row, row["entry_point"], ast.unparse(entry.args), ", ".join(names))
+
+    def solution(self, name: str) -> str:
+        return _solution_as(self.row, name) + "\n\n\n"
+
+    def aux(self, body: str, before: str = "") -> str:
+        return before + f"def aux({self.signature}):\n" + textwrap.indent(body, "    ") + "\n"
+
+    def main(self, body: str, before: str = "") -> str:
+        """Main with a solver of its own (``_solve``) and ``body``."""
+        return self.solution("_solve") + before + f"def {self.entry}({self.signature}):\n" \
+            + textwrap.indent(body, "    ") + "\n"
+
+
+MAIN_ALONE, THIN = 2.5, 3.0  # the honest baselines: a correct main without aux; a thin wrapper of a correct aux
+
+
+def _detects_probes(test: str) -> Callable[[_Problem], tuple[str, str]]:
+    """Main solves the problem itself, keeps a call of aux, and fails where ``test`` says it is probed;
+    aux returns 1 (what the helper's code around it needs is in ``test``'s helper)."""
+    return lambda p: (p.aux("return 1"), p.main(f"if {test}:\n    return None\n_ = aux({p.arguments})\n"
+                                               f"return _solve({p.arguments})"))
+
+
+ROUND_THREE = {
+    # the probes of issue #37 could be told apart from the real run (each main needs both of them to fail)
+    "finds the stub's or the perturbed wrapper's names in aux's code": (_detects_probes(
+        "{'object', '_teamrl_perturbed'} & set(getattr(getattr(aux, '__code__', None), 'co_names', ()))"),
+        MAIN_ALONE),
+    "finds the perturbed run's `_teamrl_real_aux` global": (_detects_probes("'_teamrl_real_aux' in globals()"),
+                                                            MAIN_ALONE),
+    "finds the perturbed run's `_teamrl_perturbed` global": (_detects_probes("'_teamrl_perturbed' in globals()"),
+                                                             MAIN_ALONE),
+    "misses what aux's decorator marked on it": (lambda p: (
+        p.aux("return 1", "def _mark(function):\n    function.marked = True\n    return function\n\n\n@_mark\n"),
+        _detects_probes("getattr(aux, '__qualname__', '') == 'aux' and not getattr(aux, 'marked', False)")(p)[1]),
+        MAIN_ALONE),
+    "misses the helper's other definitions, or finds `_teamrl_real_aux`": (lambda p: (
+        p.aux("return 1", "def _helper_here():\n    return True\n\n\n"),
+        _detects_probes("'_helper_here' not in globals() or '_teamrl_real_aux' in globals()")(p)[1]), MAIN_ALONE),
+    # main computes the answer and gates it on aux's value
+    "gates on aux(x) != 1": (lambda p: (p.aux("return 1"), p.main(
+        f"if aux({p.arguments}) != 1:\n    return None\nreturn _solve({p.arguments})")), MAIN_ALONE),
+    "gates through {'ok': solve}[aux(x)]": (lambda p: (p.aux("return 'ok'"), p.main(
+        f"return {{'ok': _solve}}[aux({p.arguments})]({p.arguments})")), MAIN_ALONE),
+    "gates on solve(x) if aux(x)": (lambda p: (p.aux("return True"), p.main(
+        f"return _solve({p.arguments}) if aux({p.arguments}) else None")), MAIN_ALONE),
+    "compares aux's result with a record aux kept of itself": (lambda p: (
+        p.aux(f"result = len(repr(({p.arguments},)))\n_Seen.values.append(result)\nreturn result",
+              "class _Seen:\n    values = []\n\n\n"),
+        p.main(f"result = aux({p.arguments})\nif not _Seen.values or _Seen.values[-1] != result:\n    return None\n"
+               f"return _solve({p.arguments})")), MAIN_ALONE),
+    # aux solves, main passes its answer on in a way the thin-wrapper rule did not see
+    "renames aux's parameters (so aux alone is not run), main hides the stub": (lambda p: (
+        _renamed_parameters(p.solution("aux"), "aux"), _hides_the_stub(p, f"aux({p.arguments})")), THIN),
+    "aux boxes the answer as (answer,), main unboxes it": (lambda p: (
+        p.aux(f"return (_solve({p.arguments}),)", p.solution("_solve")),
+        f"def {p.entry}({p.signature}):\n    return aux({p.arguments})[0]\n"), THIN),
+    "aux answers only when the entry point is on the stack, main hides the stub": (lambda p: (
+        p.aux(f"frame = sys._getframe(1)\nwhile frame is not None and frame.f_code.co_name != '{p.entry}':\n"
+              f"    frame = frame.f_back\nreturn _solve({p.arguments}) if frame is not None else None",
+              "import sys\n\n\n" + p.solution("_solve")),
+        _hides_the_stub(p, f"aux({p.arguments})")), THIN),
+    "a class body renames the type the stub's object is reported as": (lambda p: (
+        _renamed_parameters(p.solution("aux"), "aux"),
+        "import __main__\n\n\nclass _Patch:\n    __main__._safe_text = lambda value, limit: 'int'\n\n\n"
+        f"def {p.entry}({p.signature}):\n    result = aux({p.arguments})\n    return result if True else None\n"),
+        THIN),
+    # more of the same kind
+    "flips its own bool where aux disagrees with main's copy of aux": (lambda p: (
+        p.aux(f"return repr(({p.arguments},))"),
+        p.main(f"own = _solve({p.arguments})\n"
+               f"if aux({p.arguments}) != repr(({p.arguments},)) and isinstance(own, bool):\n"
+               f"    return not own\nreturn own")), MAIN_ALONE),
+    "aux hands its arguments back, main solves from them": (lambda p: (
+        "def aux(*args):\n    return args\n", p.main(f"return _solve(*aux({p.arguments}))")), MAIN_ALONE),
+    "main passes its own answer through aux": (lambda p: (
+        "def aux(*args):\n    return args[-1]\n", p.main(f"return aux({p.arguments}, _solve({p.arguments}))")),
+        MAIN_ALONE),
+    "aux calls main's own solver": (lambda p: (
+        p.aux(f"return [_main_solves({p.arguments})]"),
+        p.solution("_main_solves") + f"def {p.entry}({p.signature}):\n    return aux({p.arguments})[0]\n"), MAIN_ALONE),
+    "aux returns what main left in a global": (lambda p: (
+        p.aux("return _Answers.values[-1]"),
+        p.main(f"_Answers.values.append(_solve({p.arguments}))\nreturn aux({p.arguments})",
+               "class _Answers:\n    values = []\n\n\n")), MAIN_ALONE),
+}
+# Out of reach of black-box probes and documented as such (teamrl.rewards.code, "What this bounds"): an
+# encoding one agent applies and the other undoes moves information through aux without either doing work.
+RESIDUAL = {
+    # a rule that makes main's answer a function of aux's answer, fitting every test by chance (on HumanEval/0,
+    # whether the length of the input's repr is odd fits all seven tests but one): out of reach of any probe
+    # made of the problem's own tests
+    "guesses from aux's answer where aux disagrees with main's copy of aux": (lambda p: (
+        p.aux(f"return repr(({p.arguments},))"),
+        p.main(f"own, result = _solve({p.arguments}), aux({p.arguments})\n"
+               f"if result != repr(({p.arguments},)):\n"
+               f"    return len(result) % 2 == 1 if isinstance(own, bool) else own\nreturn own")), MAIN_ALONE),
+    "aux hands main its input encoded, main decodes it and solves": (lambda p: (
+        p.aux(f"return repr(({p.arguments},))[::-1]"), p.main(f"return _solve(*eval(aux({p.arguments})[::-1]))")),
+        MAIN_ALONE),
+    "aux solves and hands main the answer encoded, main decodes it": (lambda p: (
+        p.aux(f"return repr(_solve({p.arguments}))[::-1]", p.solution("_solve")),
+        f"def {p.entry}({p.signature}):\n    return eval(aux({p.arguments})[::-1])\n"), THIN),
+}
+RANDOM_MAIN = "main fails at random on one call in four"
+
+
+def _hides_the_stub(p: _Problem, call: str) -> str:
+    """A main that returns ``call``'s result, but None for a bare ``object()`` (issue #37's stub), so that
+    it was never seen handing the stub back."""
+    return (f"def {p.entry}({p.signature}):\n    result = {call}\n"
+            "    return None if type(result) is object else result\n")
+
+
+def _renamed_parameters(source: str, name: str) -> str:
+    """``source`` with function ``name``'s parameters renamed (``p0``, ``p1``...) in its header and body."""
+    module = ast.parse(source)
+    function = next(node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == name)
+    arguments = function.args.posonlyargs + function.args.args
+    renamed = {arg.arg: f"p{index}" for index, arg in enumerate(arguments)}
+    for node in ast.walk(function):
+        if isinstance(node, ast.arg) and node.arg in renamed:
+            node.arg = renamed[node.arg]
+        elif isinstance(node, ast.Name) and node.id in renamed:
+            node.id = renamed[node.id]
+    return ast.unparse(module)
+
+
+def _grade_attack(problems: list[dict], pool: SandboxPool, build) -> list:
+    """Each problem's joint action ``build`` makes, graded as CodingEnv grades it (held and shown tests)."""
+    items = [humaneval_item(row, row["task_id"]) for row in problems]
+    actions = [build(_Problem.of(row)) for row in problems]
+    return grade_team_code([f"```python\n{helper}\n```" for helper, _ in actions],
+                           [f"```python\n{main}\n```" for _, main in actions],
+                           [item["entry_point"] for item in items], [item["tests"] for item in items], pool,
+                           preambles=[item["preamble"] for item in items],
+                           shown_tests=[item["shown_tests"] for item in items])
+
+
+def _over_baseline(problems: list[dict], grades: list, baseline: float) -> dict[str, float]:
+    """What each problem's attack earned above ``baseline`` where it passed every held test (where it
+    did not, the tests part is below the baseline's own), or above what its tests part allows."""
+    earned = {}
+    for row, grade in zip(problems, grades):
+        ceiling = baseline - (1.0 - grade.reward.parts.get("tests", 0.0))
+        if grade.reward.total > ceiling + 1e-9:
+            earned[row["task_id"]] = round(grade.reward.total - ceiling, 4)
+    return earned
+
+
+@pytest.mark.parametrize("attack", list(ROUND_THREE))
+def test_round_three_attacks_earn_nothing_over_their_honest_baseline(problems, humaneval_pool, attack):
+    build, baseline = ROUND_THREE[attack]
+    grades = _grade_attack(problems, humaneval_pool, build)
+    assert _over_baseline(problems, grades, baseline) == {}
+    assert sum(grade.record.passed for grade in grades) >= 0.9 * sum(grade.record.total for grade in grades)

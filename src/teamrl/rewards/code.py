@@ -46,25 +46,27 @@ the program's process reports about itself decides anything):
 
 1. *Rerun*: the program as graded runs the passed tests again in a fresh sandbox. A test counts only
    if it passes again with the same call and the same answer, so a main's own randomness earns
-   nothing.
+   nothing. Every call main makes of aux, in every run, goes through the same relay
+   (``teamrl.sandbox.Program.relay``), which tells the judge its arguments and asks what to do.
 2. *Aux alone*: in a fresh sandbox that holds the problem's preamble and the helper's code, without
-   main's, aux is called with each passed test's arguments, by position whatever its parameters are
-   called: aux's answer to that test, computed by the helper's code alone.
-3. *Swapped answers*: the program as graded is called with the test's own arguments while every call
-   of aux returns, without running, aux's answer to other arguments; main must give the team's answer
-   to those other arguments. The other arguments are another passed test's (held or shown; the team's
-   answer is the one it gave there), or, where the entry point takes several arguments, the test's own
-   with one of them taken from another held test (the team's answer is what the program as graded
-   returns for them, called among the rerun's tests in an order drawn at random, so it cannot tell
-   these calls from the rerun). Up to three swaps of each kind (whole tests; one kind per argument
-   position), each where aux answers otherwise than for the test itself.
+   main's, aux is called with the arguments of each call main made of it in those tests, whatever
+   aux's parameters are called: aux's answers, computed by the helper's code alone.
+3. *Swapped answers*: the program as graded is called with a passed held test's own arguments while
+   main's calls of aux return, in turn and without running aux, aux's answers to the calls main made
+   for another call of the entry point; main must give the team's answer to that other call. The
+   other call is another passed test (held or shown; the team's answer is the one it gave there), or,
+   where the entry point takes several arguments, the test's own arguments with one of them taken
+   from another held test (the team's answer is what the program as graded returns for them, called
+   among the rerun's tests in an order drawn at random, so that it cannot tell these calls from the
+   rerun). Up to three swaps of each kind (whole tests; one kind per argument position), each where
+   aux answered otherwise than for the test itself.
 
 The test is credited (counts in C) when for one kind, main gives the team's answer on every swap,
 not all of them the test's own answer (else a main that ignores aux would pass), and, where the answer
 is a bool, not all of them the other bool either (else a main that computes the answer itself and
 flips it whenever aux disagrees with its own copy of aux would pass) unless aux's answer holds main's.
-Nothing is credited where aux answered every test with its own arguments as they came (an aux that
-does nothing). In every run the program's text is the same and aux sits behind the same relay
+Nothing is credited where aux answered every call with its arguments as they came, or one of them
+(an aux that does nothing; a main that computed the answer itself and passed it through aux). In every run the program's text is the same and aux sits behind the same relay
 (``teamrl.sandbox.Program.relay``); the swapped run differs from the real one in aux's value only, the
 one thing being measured. The helper's code runs alone in step 2 so that nothing main computes can be
 in aux's answers: telling that run apart only costs the program credit. Main is *thin* on a credited
@@ -498,10 +500,11 @@ def holds_answer(aux_answer: object, answer: object) -> bool:
 
 
 def _echoes(answer: object, call: RecordedCall) -> bool:
-    """aux answered a call with its arguments as they came: all of them, or its only one."""
+    """aux answered a call with its arguments as they came: all of them, or one of them (which is also
+    how a main that computed the answer itself would pass it through aux as an argument)."""
     arguments = call.args + tuple(call.kwargs.values())
     return any(same_value(answer, kind(arguments)) for kind in (tuple, list)) \
-        or (len(arguments) == 1 and same_value(answer, arguments[0]))
+        or any(same_value(answer, argument) for argument in arguments)
 
 
 @dataclass(frozen=True, eq=False)
