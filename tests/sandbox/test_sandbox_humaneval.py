@@ -100,13 +100,13 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems, humaneval_pool):
 
     assert failures(whole) == failures(split) == failures(boxed) == []
     assert [row["task_id"] for row, grade in zip(problems, wrong_grades) if grade.record.all_passed] == []
-    # whole: main alone (no aux) = 0.6 + 0.5 + 1.0; split: every test depends on aux, but main is a thin
-    # wrapper = 0.4 + 0.6 + 0.5 + 1.0 + 0.5; boxed: main unboxes aux's answer, the full 4.0
+    # whole: main alone (no aux) = 0.6 + 0.5 + 1.0; split: main's answer follows aux's on every test, but
+    # main is a thin wrapper = 0.4 + 0.6 + 0.5 + 1.0 + 0.5; boxed: main unboxes aux's answer, which is as
+    # thin (issue #51): 3.0 too. HumanEval/34's only assert leaves no other test to swap aux's answer with.
     assert all(grade.reward.total == pytest.approx(2.1) for grade in whole)
-    assert {row["task_id"]: grade.reward.total for row, grade in zip(problems, split)
-            if grade.reward.total != pytest.approx(3.0)} == {}
-    assert {row["task_id"]: grade.reward.total for row, grade in zip(problems, boxed)
-            if grade.reward.total != pytest.approx(4.0)} == {}
+    for arrangement in (split, boxed):
+        assert {row["task_id"]: grade.reward.total for row, grade in zip(problems, arrangement)
+                if grade.reward.total != pytest.approx(3.0)} == {"HumanEval/34": pytest.approx(2.5)}
     assert all(grade.reward.parts["tests"] < 1.0 for grade in wrong_grades)
     returns_none = wrong_grades[1::2]
     assert sum(g.record.passed for g in returns_none) < 0.1 * sum(g.record.total for g in returns_none)
@@ -263,7 +263,7 @@ def test_a_disguised_thin_wrapper_earns_no_non_wrapper_bonus(problems, humaneval
              for row in rows]
     grades = grade_team_code(helpers, mains, [item["entry_point"] for item in items], [item["tests"] for item in items],
                              humaneval_pool, preambles=[item["preamble"] for item in items])
-    assert all(grade.probe.forwarded for grade in grades)
+    assert all(grade.probe.thin == grade.probe.contributed == grade.probe.passed for grade in grades)
     assert {row["task_id"]: grade.reward.total for row, grade in zip(rows, grades)
             if grade.reward.total != pytest.approx(3.0)} == {}
 
@@ -446,3 +446,23 @@ def test_round_three_attacks_earn_nothing_over_their_honest_baseline(problems, h
     grades = _grade_attack(problems, humaneval_pool, build)
     assert _over_baseline(problems, grades, baseline) == {}
     assert sum(grade.record.passed for grade in grades) >= 0.9 * sum(grade.record.total for grade in grades)
+
+
+def test_a_main_that_fails_at_random_earns_no_cooperation(problems, humaneval_pool):
+    """Main calls aux, solves the problem itself and fails one call in four at random: before issue #51
+    its random failures in the probes counted as aux's doing. Its tests part is as random as it is; no
+    cooperation part pays anything."""
+    grades = _grade_attack(problems, humaneval_pool, lambda p: (p.solution("aux"), p.main(
+        f"result = aux({p.arguments})\nif random.random() < 0.25:\n    raise RuntimeError('unlucky')\n"
+        f"return _solve({p.arguments})", "import random\n\n\n")))
+    paid = {row["task_id"]: grade.reward.parts for row, grade in zip(problems, grades)
+            if grade.reward.parts.get("cooperation", 0.0) or grade.reward.parts.get("non_wrapper", 0.0)}
+    assert paid == {}
+
+
+@pytest.mark.parametrize("attack", list(RESIDUAL))
+@pytest.mark.xfail(strict=True, reason="out of reach of black-box probes; the bound is documented in "
+                                       "teamrl.rewards.code ('What this bounds') and docs/tasks.md")
+def test_documented_residuals_still_earn_over_their_baseline(problems, humaneval_pool, attack):
+    build, baseline = RESIDUAL[attack]
+    assert _over_baseline(problems, _grade_attack(problems, humaneval_pool, build), baseline) == {}

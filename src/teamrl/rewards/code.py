@@ -61,39 +61,41 @@ the program's process reports about itself decides anything):
    rerun). Up to three swaps of each kind (whole tests; one kind per argument position), each where
    aux answered otherwise than for the test itself.
 
-The test is credited (counts in C) when for one kind, main gives the team's answer on every swap,
-not all of them the test's own answer (else a main that ignores aux would pass), and, where the answer
-is a bool, not all of them the other bool either (else a main that computes the answer itself and
-flips it whenever aux disagrees with its own copy of aux would pass) unless aux's answer holds main's.
-Nothing is credited where aux answered every call with its arguments as they came, or one of them
-(an aux that does nothing; a main that computed the answer itself and passed it through aux). In every run the program's text is the same and aux sits behind the same relay
-(``teamrl.sandbox.Program.relay``); the swapped run differs from the real one in aux's value only, the
-one thing being measured. The helper's code runs alone in step 2 so that nothing main computes can be
-in aux's answers: telling that run apart only costs the program credit. Main is *thin* on a credited
-test (it counts in T) when its answer is aux's answer or a part of it (an item or value at any depth,
-or its text): ``return aux(x)[0]`` over an aux that returns ``(answer,)``, ``{'r': answer}``,
-``str(answer)``, whatever aux's parameters are called and whoever calls it.
+The test is credited (counts in C) when, for one kind, main gives the team's answer on every swap; not
+all of those answers are the test's own (else a main that ignores aux would pass); and, where the
+answer is a bool, not all of them are the other bool either, unless aux's answer holds main's (else a
+main that computes its answer itself and flips it wherever aux disagrees with its own copy of aux
+would pass). Nothing is credited where aux answered every call with its arguments as they came, or
+one of them (an aux that does nothing; a main that computed the answer and passed it through aux). In
+every run the program's text is the same and aux sits behind the same relay; the swapped run differs
+from the real one in aux's answers only, the one thing measured. The helper's code runs alone in step
+2 so that nothing main computes can be in aux's answers: telling that run apart can only cost the
+program credit. Main is *thin* on a credited test (it counts in T) when its answer is one of aux's
+answers or a part of one (an item or value at any depth, or its text): ``return aux(x)[0]`` over an
+aux that returns ``(answer,)``, ``{'r': answer}``, ``str(answer)``, whatever aux's parameters are
+called and whoever calls it.
 
-**What this bounds, beside the paper's definition.** The paper's +0.5 is for a passing test and a
-call of aux, its +1.0 for a main that is more than a thin wrapper. Here both pay only for a test
-whose answer demonstrably came through aux's answer: main answered for whichever test aux answered
-for. *Gating* -- main computes the answer itself and checks aux's value, in any way -- answers for its
-own test whatever aux says, so it earns no cooperation at all: it earns what a correct main without
-aux earns (2.5). A helper that solves the problem and a main that forwards its answer, however
-wrapped, earn what the paper's thin wrapper earns (3.0). What this costs honest teams, because black-
-box probes cannot tell them from gating: a main that needs both its one argument and aux's result
-(aux computes a list's mean, main the deviations from it) is not credited, nor a main that calls aux
-on other arguments than its own (parts of its input); both earn what main alone earns. With several
-arguments, a main that uses one of them itself and gets what it needs of another from aux (aux sorts
-the numbers, main compares their gaps with the threshold it was given) is credited through the swaps
-of that other argument. What stays out of reach: how much work turning
-aux's answer into main's is (a helper that solves the problem and returns its answer in another form,
-reversed or plus one, which main turns back, earns the non-wrapper part like aux returning a list in
-the wrong order that main sorts; an aux that returns its input in another form, which main solves
-from, earns the cooperation parts like aux parsing the input for main), and a guessed answer: a main
-that answers a swapped-in test by a guess matches it by chance, at most one time in 2^k over k swaps
-where answers are bools. The parts scale with C/N, so a team credited on one held test of ten earns a
-tenth of the bonus.
+**What this bounds, beside the paper's definition.** The paper pays +0.5 for a passing test and a call
+of aux, and +1.0 for a main that is more than a thin wrapper. Here both pay only for a held test whose
+answer demonstrably came through aux's answers: given another call's aux answers, main gave that
+call's answer. *Gating* -- main computes the answer itself and checks aux's value, in any way --
+answers for its own test whatever aux says, so it earns no cooperation at all: no more than a correct
+main without aux (2.5). A helper that solves the problem and a main that forwards its answer, however
+wrapped, earn what the paper's thin wrapper earns (3.0). The price, paid by honest teams that black-box
+probes cannot tell from gating: a main that needs both its own argument and aux's result (aux computes
+a list's mean, main the deviations from it) is not credited, nor a main that calls aux once per item
+of its input where no other test makes as many calls (aux's answers to another test do not fit its
+calls); both earn what main alone earns. Where the entry point takes several arguments, a main that
+uses one itself and gets what it needs of another from aux (aux sorts the numbers, main compares their
+gaps with the threshold it was given) is credited through the swaps of that other argument. Out of
+reach, documented rather than claimed: how much work turning aux's answers into main's is (a helper
+that solves the problem and returns the answer in another form that main turns back earns the
+non-wrapper part, as aux returning a list in the wrong order that main sorts does; an aux that returns
+its input in another form, which main solves from, earns the cooperation parts, as aux parsing the
+input for main does); an answer main computes from aux's answer by a rule that fits every test by
+chance (where answers are bools, one swap in two on average; the more swaps, the rarer); and a program
+that keeps notes across the calls of one sandbox to tell the live mixed calls of step 3 from the rerun.
+The parts scale with C/N, so a team credited on one held test of ten earns a tenth of the bonus.
 
 **Individual rewards** (``individual_code_rewards``; the independent-learner baseline,
 ``algorithm.learners=individual``): each agent's own parts of the joint reward, same values, gated
