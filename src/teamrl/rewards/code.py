@@ -134,7 +134,7 @@ import ast
 import dataclasses
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from teamrl.envs.code_extract import Definition, ExtractedCode, extract_code, join_team_program
@@ -220,11 +220,12 @@ class CooperationProbe:
         passed: the held tests the program passed (indices into the held tests).
         contributed: those whose answer main provably built on aux's (C): credited.
         thin: those of ``contributed`` where main's answer is aux's answer or a part of it (T).
-        rerun_record: the program's second run (the passed held tests, then the passed shown ones);
-            None where no test could be measured.
-        aux_record: aux alone, called with each test's arguments (module docstring, step 2).
-        swap_record: main on a held test's arguments with aux answering another test's answer
-            (step 3); None where nothing was left to swap.
+        rerun_record: the program's second run (the passed tests and the live mixed calls, in a random
+            order); None where no swap could credit anything.
+        aux_record: aux alone, answering the calls main made of it in the held and shown tests (module
+            docstring, step 2); None where main made none.
+        swap_record: main on held tests' arguments with aux answering as for other calls (step 3);
+            None where no swap could credit anything (then no rerun was made either).
     """
 
     passed: tuple[int, ...]
@@ -624,18 +625,22 @@ class Measured:
 
 def measure_cooperation(items: Sequence[Measured], pool: SandboxPool) -> list[CooperationProbe]:
     """Measure what aux contributes to each item's passed held tests (module docstring, "Cooperation"):
-    the rerun, then aux alone, then the swapped answers; each program in a fresh sandbox, the items
-    concurrently."""
+    aux alone on the calls main made of it, then (where a swap could credit anything at all) the rerun,
+    aux alone on the calls the rerun's mixed calls made, and the swapped answers; each program in a fresh
+    sandbox, the items concurrently."""
     plans = [_Plan.first(item) for item in items]
-    reruns = [pool.submit(plan.rerun) if plan.rerun.tests else None for plan in plans]
-    for plan, rerun in zip(plans, reruns):
-        plan.read_rerun(rerun.result() if rerun is not None else None)
-    alones = [pool.submit(plan.alone()) if plan.calls.keys else None for plan in plans]
-    swaps = []
-    for plan, alone in zip(plans, alones):
-        plan.read_alone(alone.result() if alone is not None else None)
-        swaps.append(pool.submit(plan.swapped()) if plan.kinds else None)
-    return [plan.probe(swap.result() if swap is not None else None) for plan, swap in zip(plans, swaps)]
+    _wave(pool, [plan.alone(plan.tests) for plan in plans], [plan.read_alone for plan in plans])
+    hopeful = [plan for plan in plans if plan.hopeful()]
+    _wave(pool, [plan.rerun for plan in hopeful], [plan.read_rerun for plan in hopeful])
+    _wave(pool, [plan.alone(plan.usable) for plan in hopeful], [plan.read_alone for plan in hopeful])
+    _wave(pool, [plan.swapped() for plan in hopeful], [plan.read_swaps for plan in hopeful])
+    return [plan.probe() for plan in plans]
+
+
+def _wave(pool: SandboxPool, programs: Sequence[Program | None], readers: Sequence[Callable]) -> None:
+    """Run the programs concurrently (None: nothing to run) and hand each reader its record (or None)."""
+    for reader, record in zip(readers, _run_all(programs, pool)):
+        reader(record)
 
 
 class _Values:
@@ -664,12 +669,12 @@ class _Plan:
                      if number < len(tests) else Call(item.program.record, mixed[number - len(tests)].arguments)
                      for number in order)
         self.rerun = dataclasses.replace(item.program, tests=runs)
-        self.rerun_record: ExecutionRecord | None = None
         self.usable: list[_Observed] = []  # reproduced tests and answered mixes, each with its aux calls
-        self.calls = _Values()  # every distinct call of aux among them
-        self.alone_record: ExecutionRecord | None = None
-        self.answers: dict[int, tuple[object, ...]] = {}  # aux's answers to a call's aux calls, by id
+        self.calls = _Values()  # every distinct call of aux main made among them
+        self.answered: list[_Observed | None] = []  # aux alone's answer to each of ``calls``
+        self.asked = 0  # how many of ``calls`` the last aux-alone run was asked
         self.kinds: list[list[_Swap]] = []
+        self.records: dict[str, ExecutionRecord | None] = {"rerun": None, "aux": None, "swap": None}
 
     @classmethod
     def first(cls, item: Measured) -> _Plan:
@@ -678,9 +683,46 @@ class _Plan:
         parameters = item.analysis.aux_alone.parameters
         return cls(item, tests, [swap for test in tests if not test.shown for swap in _mixes(test, tests, parameters)])
 
+    def alone(self, calls: list[_Observed]) -> Program | None:
+        """aux alone, in the helper's code alone, answering the calls of aux that ``calls`` made and no
+        earlier run answered (None: none)."""
+        self.asked = len(self.calls.keys)
+        for call in calls:
+            for aux_call in call.aux_calls or ():
+                self.calls.add((aux_call.args, aux_call.kwargs))
+        item = self.item
+        new = tuple(Call(item.program.relay, args, kwargs) for args, kwargs in self.calls.keys[self.asked:])
+        return Program(_with_preamble(item.program.setup, item.analysis.aux_alone.program), new,
+                       setup=item.program.setup, relay=item.program.relay) if new else None
+
+    def read_alone(self, record: ExecutionRecord | None) -> None:
+        if self.records["aux"] is None:  # the probe keeps the run on the calls of the tests themselves
+            self.records["aux"] = record
+        self.answered += [_returned(record, position) for position in range(len(self.calls.keys) - self.asked)]
+
+    def answers(self, call: _Observed) -> tuple[object, ...] | None:
+        """aux alone's answers to the calls ``call`` made of aux, in order; None where it made none or aux
+        gave no plain answer to one."""
+        positions = [self.calls.find((aux_call.args, aux_call.kwargs)) for aux_call in call.aux_calls or ()]
+        if not positions or any(position is None or self.answered[position] is None for position in positions):
+            return None
+        return tuple(self.answered[position].answer for position in positions)
+
+    def hopeful(self) -> bool:
+        """Whether a swap could credit anything: aux answered some call otherwise than with its own
+        arguments, and a held test has another call to swap with (another aux answer, or mixed ones)."""
+        echoes = [_echoes(self.answered[self.calls.find((aux_call.args, aux_call.kwargs))].answer, aux_call)
+                  for call in self.tests if self.answers(call) is not None for aux_call in call.aux_calls]
+        if all(echoes):
+            return False  # aux only ever handed its arguments back: it did nothing main built on
+        answered = [call for call in self.tests if self.answers(call) is not None]
+        return any(any(not same_value(self.answers(other), self.answers(target)) for other in answered)
+                   or any(swap.target is target for swap in self.mixed)
+                   for target in answered if not target.shown)
+
     def read_rerun(self, record: ExecutionRecord | None) -> None:
         """Keep the tests that passed again with the same call and answer, and the mixes answered live."""
-        self.rerun_record = record
+        self.records["rerun"] = record
         again = {number: _returned(record, position) for position, number in enumerate(self.order)}
         self.usable = [test for number, test in enumerate(self.tests) if _same_call(again[number], test)]
         for number, swap in enumerate(self.mixed):
@@ -688,61 +730,43 @@ class _Plan:
             if live is not None:
                 self.usable.append(live)
                 self.mixed[number] = dataclasses.replace(swap, source=live)
-        for call in self.usable:
-            for aux_call in call.aux_calls or ():
-                self.calls.add((aux_call.args, aux_call.kwargs))
 
-    def alone(self) -> Program:
-        """aux alone, in the helper's code alone, answering every call main made of it."""
-        item = self.item
-        return Program(_with_preamble(item.program.setup, item.analysis.aux_alone.program),
-                       tuple(Call(item.program.relay, args, kwargs) for args, kwargs in self.calls.keys),
-                       setup=item.program.setup, relay=item.program.relay)
-
-    def read_alone(self, record: ExecutionRecord | None) -> None:
-        """aux's answers to each usable call's aux calls, then the swaps worth making."""
-        self.alone_record = record
-        answered = [_returned(record, position) for position in range(len(self.calls.keys))]
-        echoes = []
-        for call in self.usable:
-            positions = [self.calls.find((aux_call.args, aux_call.kwargs)) for aux_call in call.aux_calls or ()]
-            if positions and all(answered[position] is not None for position in positions):
-                self.answers[id(call)] = tuple(answered[position].answer for position in positions)
-                echoes += [_echoes(answered[position].answer, aux_call)
-                           for position, aux_call in zip(positions, call.aux_calls)]
-        if all(echoes):
-            self.answers = {}  # aux only ever handed its arguments back: it did nothing main built on
-        for target in (call for call in self.usable if id(call) in self.answers and call in self.tests
-                       and not call.shown):
+    def swapped(self) -> Program | None:
+        """The program as graded, called on each target's arguments with aux answering as for the swap
+        (None: no swap worth making)."""
+        answers = {id(call): self.answers(call) for call in self.usable}
+        answers = {key: value for key, value in answers.items() if value is not None}
+        for target in (call for call in self.usable if id(call) in answers and call in self.tests and not call.shown):
             whole = [_Swap(target, source) for source in self.tests
-                     if source is not target and id(source) in self.answers]
-            mixed = [swap for swap in self.mixed if swap.target is target and id(swap.source) in self.answers]
+                     if source is not target and id(source) in answers]
+            mixed = [swap for swap in self.mixed if swap.target is target and id(swap.source) in answers]
             for kind in [whole] + [[swap for swap in mixed if swap.mixed == position]
                                    for position in dict.fromkeys(swap.mixed for swap in mixed)]:
-                chosen = _chosen(kind, self.answers) if kind else []
+                chosen = _chosen(kind, answers) if kind else []
                 if chosen:
                     self.kinds.append(chosen)
+        calls = tuple(Call(self.item.program.record, swap.target.args, swap.target.kwargs,
+                           relay=self.answers(swap.source)) for kind in self.kinds for swap in kind)
+        return dataclasses.replace(self.item.program, record=None, tests=calls) if calls else None
 
-    def swapped(self) -> Program:
-        """The program as graded, called on each target's arguments with aux answering as for the swap."""
-        return dataclasses.replace(self.item.program, record=None, tests=tuple(
-            Call(self.item.program.record, swap.target.args, swap.target.kwargs, relay=self.answers[id(swap.source)])
-            for kind in self.kinds for swap in kind))
+    def read_swaps(self, record: ExecutionRecord | None) -> None:
+        self.records["swap"] = record
 
-    def probe(self, record: ExecutionRecord | None) -> CooperationProbe:
+    def probe(self) -> CooperationProbe:
         """The credited and thin held tests, from the swapped run."""
         credited, thin, position = set(), set(), 0
         for kind in self.kinds:
-            returned = [_returned(record, position + offset) for offset in range(len(kind))]
+            returned = [_returned(self.records["swap"], position + offset) for offset in range(len(kind))]
             position += len(kind)
             target = kind[0].target
-            if _credited(target, kind, returned, self.answers[id(target)]):
+            if _credited(target, kind, returned, self.answers(target)):
                 credited.add(target.index)
-                if holds_answer(self.answers[id(target)], target.answer):
+                if holds_answer(self.answers(target), target.answer):
                     thin.add(target.index)
         return CooperationProbe(passed=tuple(outcome.index for outcome in self.item.held.tests if outcome.passed),
                                 contributed=tuple(sorted(credited)), thin=tuple(sorted(thin)),
-                                rerun_record=self.rerun_record, aux_record=self.alone_record, swap_record=record)
+                                rerun_record=self.records["rerun"], aux_record=self.records["aux"],
+                                swap_record=self.records["swap"])
 
 
 def grade_team_code(aux_completions: Sequence[str], main_completions: Sequence[str],
