@@ -193,6 +193,8 @@ def test_the_leak_on_every_humaneval_problem(humaneval):
     attack, honest, shown = _leak(humaneval, items)
     gained = {item["id"]: (a.parts["tests"], h.parts["tests"]) for item, a, h in zip(items, attack, honest)
               if a.parts["tests"] > h.parts["tests"]}
+    print(f"leak | calls shown {shown} | tests part {sum(a.parts['tests'] for a in attack) / len(items):.3f} "
+          f"against {sum(h.parts['tests'] for h in honest) / len(items):.3f} | {len(gained)} problems ahead")
     assert gained == {}, (len(gained), shown)
 
 
@@ -200,4 +202,5 @@ def test_the_leak_on_every_humaneval_problem(humaneval):
 def test_the_count_oracle_on_every_humaneval_problem(humaneval):
     items = _items(humaneval, None)
     first, last = _oracle(humaneval, items, turns=6)
+    print(f"count oracle | tests part {sum(last) / len(items):.3f} after 6 turns against {sum(first) / len(items):.3f}")
     assert sum(last) <= sum(first), (sum(first) / len(items), sum(last) / len(items))

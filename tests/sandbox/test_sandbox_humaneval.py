@@ -103,6 +103,8 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems, humaneval_pool):
     # whole: main alone (no aux) = 0.6 + 0.5 + 1.0; split: main's answer follows aux's on every test, but
     # main is a thin wrapper = 0.4 + 0.6 + 0.5 + 1.0 + 0.5; boxed: main unboxes aux's answer, which is as
     # thin (issue #51): 3.0 too. HumanEval/34's only assert leaves no other test to swap aux's answer with.
+    for label, batch in (("whole", whole), ("split", split), ("boxed", boxed), ("wrong", wrong_grades)):
+        print(_summary(f"canonical, {label}", batch, 0.0, {}))
     assert all(grade.reward.total == pytest.approx(2.1) for grade in whole)
     for arrangement in (split, boxed):
         assert {row["task_id"]: grade.reward.total for row, grade in zip(problems, arrangement)
@@ -429,6 +431,13 @@ def _grade_attack(problems: list[dict], pool: SandboxPool, build) -> list:
                            shown_tests=[item["shown_tests"] for item in items])
 
 
+def _summary(attack: str, grades: list, baseline: float, over: dict[str, float]) -> str:
+    """One line of the attack table (docs/reports/coding-reward.md), printed for ``pytest -s``."""
+    mean = sum(grade.reward.total for grade in grades) / len(grades)
+    tests = sum(grade.reward.parts.get("tests", 0.0) for grade in grades) / len(grades)
+    return f"attack | {attack} | {mean:.3f} | {baseline} | {tests:.3f} | {len(over)} problems over the baseline"
+
+
 def _over_baseline(problems: list[dict], grades: list, baseline: float) -> dict[str, float]:
     """What each problem's attack earned above ``baseline`` where it passed every held test (where it
     did not, the tests part is below the baseline's own), or above what its tests part allows."""
@@ -444,7 +453,9 @@ def _over_baseline(problems: list[dict], grades: list, baseline: float) -> dict[
 def test_round_three_attacks_earn_nothing_over_their_honest_baseline(problems, humaneval_pool, attack):
     build, baseline = ROUND_THREE[attack]
     grades = _grade_attack(problems, humaneval_pool, build)
-    assert _over_baseline(problems, grades, baseline) == {}
+    over = _over_baseline(problems, grades, baseline)
+    print(_summary(attack, grades, baseline, over))
+    assert over == {}
     assert sum(grade.record.passed for grade in grades) >= 0.9 * sum(grade.record.total for grade in grades)
 
 
@@ -457,6 +468,7 @@ def test_a_main_that_fails_at_random_earns_no_cooperation(problems, humaneval_po
         f"return _solve({p.arguments})", "import random\n\n\n")))
     paid = {row["task_id"]: grade.reward.parts for row, grade in zip(problems, grades)
             if grade.reward.parts.get("cooperation", 0.0) or grade.reward.parts.get("non_wrapper", 0.0)}
+    print(_summary(RANDOM_MAIN, grades, 0.0, paid))
     assert paid == {}
 
 
@@ -465,4 +477,7 @@ def test_a_main_that_fails_at_random_earns_no_cooperation(problems, humaneval_po
                                        "teamrl.rewards.code ('What this bounds') and docs/tasks.md")
 def test_documented_residuals_still_earn_over_their_baseline(problems, humaneval_pool, attack):
     build, baseline = RESIDUAL[attack]
-    assert _over_baseline(problems, _grade_attack(problems, humaneval_pool, build), baseline) == {}
+    grades = _grade_attack(problems, humaneval_pool, build)
+    over = _over_baseline(problems, grades, baseline)
+    print(_summary(attack, grades, baseline, over))
+    assert over == {}
