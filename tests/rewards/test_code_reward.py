@@ -366,19 +366,20 @@ def pool():
 
 
 def test_grade_team_code_runs_only_what_needs_running(pool):
-    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11", "assert entry([4]) == 8")
+    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11", "assert entry([4]) == 8",
+             "assert entry([1]) == 2")
     grades = grade_team_code(
         aux_completions=[f"```python\n{AUX_OK}```", AUX_OK, "nothing here"],
         main_completions=[MAIN_COOPERATES, "I could not solve it.", "```python\ndef entry(xs)\n    return 0\n```"],
         entry_points=["entry"] * 3, tests=[tests] * 3, pool=pool)
     cooperative, missing, broken = grades
-    assert cooperative.record.passed == 3 and cooperative.record.tests[2].actual == "10"
-    # entry([]) == 0 passes without aux (main's own branch): aux is behind two held tests of four, each
-    # credited through the other (main answers 8 when aux answers 4, 6 when it answers 3).
-    assert cooperative.probe.passed == (0, 1, 3) and cooperative.probe.contributed == (0, 3)
+    assert cooperative.record.passed == 4 and cooperative.record.tests[2].actual == "10"
+    # entry([]) == 0 passes without aux (main's own branch): aux is behind three held tests of five, each
+    # credited through the others (main answers 8 when aux answers 4, 6 when it answers 3, 2 for 1).
+    assert cooperative.probe.passed == (0, 1, 3, 4) and cooperative.probe.contributed == (0, 3, 4)
     assert not cooperative.probe.thin
     assert [call.args for call in cooperative.probe.aux_record.tests[0].recorded_calls()] == [([1, 2],)]
-    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 3 / 4 + (0.5 + 1.0) * 2 / 4)
+    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 4 / 5 + (0.5 + 1.0) * 3 / 5)
     assert missing.record is None and missing.probe is None and missing.reward.total == pytest.approx(0.4)
     assert broken.record is None and broken.reward.total == pytest.approx(0.6)
 

@@ -4,7 +4,6 @@ whole or split between the helper and the main agent; wrong solutions do not."""
 from __future__ import annotations
 
 import ast
-import copy
 import doctest
 import gzip
 import json
@@ -61,15 +60,11 @@ def _split(row: dict) -> tuple[str, str, str, str, str]:
     a part of the work (unboxing) that aux alone does not."""
     module = ast.parse(row["prompt"] + row["canonical_solution"])
     entry = next(node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == row["entry_point"])
-    aux = copy.deepcopy(entry)
-    aux.name = "aux"
-    helper = ast.unparse(ast.Module(body=[aux if node is entry else node for node in module.body], type_ignores=[]))
+    helper = _solution_as(row, "aux")
     forwarded = ", ".join(arg.arg for arg in entry.args.posonlyargs + entry.args.args)
     signature = f"def {entry.name}({ast.unparse(entry.args)}):\n"
-    solve = copy.deepcopy(entry)
-    solve.name = "_solve"
-    boxing = ast.unparse(ast.Module(body=[solve if node is entry else node for node in module.body], type_ignores=[]))
-    boxing += f"\n\n\ndef aux({ast.unparse(entry.args)}):\n    return [_solve({forwarded})]\n"
+    boxing = _solution_as(row, "_solve") \
+        + f"\n\n\ndef aux({ast.unparse(entry.args)}):\n    return [_solve({forwarded})]\n"
     return (f"Here is aux:\n```python\n{helper}\n```",
             signature + f"    return aux({forwarded})\n",
             OFF_BY_ONE + signature + f"    return _off_by_one(aux({forwarded}))\n",
@@ -102,13 +97,19 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(problems, humaneval_pool):
     assert [row["task_id"] for row, grade in zip(problems, wrong_grades) if grade.record.all_passed] == []
     # whole: main alone (no aux) = 0.6 + 0.5 + 1.0; split: main's answer follows aux's on every test, but
     # main is a thin wrapper = 0.4 + 0.6 + 0.5 + 1.0 + 0.5; boxed: main unboxes aux's answer, which is as
-    # thin (issue #51): 3.0 too. HumanEval/34's only assert leaves no other test to swap aux's answer with.
+    # thin (issue #51): 3.0 too. Only tests that call the entry point once are measured, and a test needs
+    # another to swap aux's answers with: HumanEval/34 has one test, /32, /38 and /50 one that loops over
+    # calls, /33, /44 and /53 some with two calls or a loop. On /74 and /150 the answer is one of the
+    # arguments as given, and an aux that answers with an argument is taken for one that did nothing.
     for label, batch in (("whole", whole), ("split", split), ("boxed", boxed), ("wrong", wrong_grades)):
         print(_summary(f"canonical, {label}", batch, 0.0, {}))
     assert all(grade.reward.total == pytest.approx(2.1) for grade in whole)
-    for arrangement in (split, boxed):
-        assert {row["task_id"]: grade.reward.total for row, grade in zip(problems, arrangement)
-                if grade.reward.total != pytest.approx(3.0)} == {"HumanEval/34": pytest.approx(2.5)}
+    unmeasured = {"HumanEval/32": 2.5, "HumanEval/33": 2.7857, "HumanEval/34": 2.5, "HumanEval/38": 2.5,
+                  "HumanEval/44": 2.9286, "HumanEval/50": 2.5, "HumanEval/53": 2.9167}
+    for arrangement, exceptions in ((split, {**unmeasured, "HumanEval/74": 2.5, "HumanEval/150": 2.5}),
+                                    (boxed, unmeasured)):
+        assert {row["task_id"]: round(grade.reward.total, 4) for row, grade in zip(problems, arrangement)
+                if grade.reward.total != pytest.approx(3.0)} == exceptions
     assert all(grade.reward.parts["tests"] < 1.0 for grade in wrong_grades)
     returns_none = wrong_grades[1::2]
     assert sum(g.record.passed for g in returns_none) < 0.1 * sum(g.record.total for g in returns_none)
@@ -220,11 +221,14 @@ def test_hard_coding_what_the_problem_and_feedback_showed_earns_nothing(problems
 
 
 def _solution_as(row: dict, name: str) -> str:
-    """The canonical solution (with the prompt's imports and helpers) under another function name."""
+    """The canonical solution (with the prompt's imports and helpers) under another function name, its
+    recursive calls (HumanEval/55's ``fib``) renamed too, so that it needs nothing of main's."""
     module = ast.parse(row["prompt"] + row["canonical_solution"])
-    for node in module.body:
+    for node in ast.walk(module):
         if isinstance(node, ast.FunctionDef) and node.name == row["entry_point"]:
             node.name = name
+        elif isinstance(node, ast.Name) and node.id == row["entry_point"]:
+            node.id = name
     return ast.unparse(module)
 
 
@@ -431,6 +435,12 @@ def _grade_attack(problems: list[dict], pool: SandboxPool, build) -> list:
                            shown_tests=[item["shown_tests"] for item in items])
 
 
+def _random_main(p: _Problem) -> tuple[str, str]:
+    return p.solution("aux"), p.main(f"result = aux({p.arguments})\nif random.random() < 0.25:\n"
+                                     f"    raise RuntimeError('unlucky')\nreturn _solve({p.arguments})",
+                                     "import random\n\n\n")
+
+
 def _summary(attack: str, grades: list, baseline: float, over: dict[str, float]) -> str:
     """One line of the attack table (docs/reports/coding-reward.md), printed for ``pytest -s``."""
     mean = sum(grade.reward.total for grade in grades) / len(grades)
@@ -463,9 +473,7 @@ def test_a_main_that_fails_at_random_earns_no_cooperation(problems, humaneval_po
     """Main calls aux, solves the problem itself and fails one call in four at random: before issue #51
     its random failures in the probes counted as aux's doing. Its tests part is as random as it is; no
     cooperation part pays anything."""
-    grades = _grade_attack(problems, humaneval_pool, lambda p: (p.solution("aux"), p.main(
-        f"result = aux({p.arguments})\nif random.random() < 0.25:\n    raise RuntimeError('unlucky')\n"
-        f"return _solve({p.arguments})", "import random\n\n\n")))
+    grades = _grade_attack(problems, humaneval_pool, _random_main)
     paid = {row["task_id"]: grade.reward.parts for row, grade in zip(problems, grades)
             if grade.reward.parts.get("cooperation", 0.0) or grade.reward.parts.get("non_wrapper", 0.0)}
     print(_summary(RANDOM_MAIN, grades, 0.0, paid))

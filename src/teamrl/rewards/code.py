@@ -62,18 +62,18 @@ the program's process reports about itself decides anything):
    aux answered otherwise than for the test itself.
 
 The test is credited (counts in C) when, for one kind, main gives the team's answer on every swap; not
-all of those answers are the test's own (else a main that ignores aux would pass); and, where the
-answer is a bool, not all of them are the other bool either, unless aux's answer holds main's (else a
-main that computes its answer itself and flips it wherever aux disagrees with its own copy of aux
-would pass). Nothing is credited where aux answered every call with its arguments as they came, or
-one of them (an aux that does nothing; a main that computed the answer and passed it through aux). In
-every run the program's text is the same and aux sits behind the same relay; the swapped run differs
-from the real one in aux's answers only, the one thing measured. The helper's code runs alone in step
-2 so that nothing main computes can be in aux's answers: telling that run apart can only cost the
-program credit. Main is *thin* on a credited test (it counts in T) when its answer is one of aux's
-answers or a part of one (an item or value at any depth, or its text): ``return aux(x)[0]`` over an
-aux that returns ``(answer,)``, ``{'r': answer}``, ``str(answer)``, whatever aux's parameters are
-called and whoever calls it.
+all of those answers are the test's own (else a main that ignores aux would pass); and not all of them
+are one other value either, unless aux's answer holds main's (else a main that computes its answer
+itself and, wherever aux disagrees with its own copy of aux, answers alike, a fixed None or its bool
+flipped, would pass where the swaps' answers are all that value). Nothing is credited where aux
+answered every call with its arguments as they came, or one of them (an aux that does nothing; a main
+that computed the answer and passed it through aux). In every run the program's text is the same and
+aux sits behind the same relay; the swapped run differs from the real one in aux's answers only, the
+one thing measured. The helper's code runs alone in step 2 so that nothing main computes can be in
+aux's answers: telling that run apart can only cost the program credit. Main is *thin* on a credited
+test (it counts in T) when its answer is one of aux's answers or a part of one (an item or value at any
+depth, or its text): ``return aux(x)[0]`` over an aux that returns ``(answer,)``, ``{'r': answer}``,
+``str(answer)``, whatever aux's parameters are called and whoever calls it.
 
 **What this bounds, beside the paper's definition.** The paper pays +0.5 for a passing test and a call
 of aux, and +1.0 for a main that is more than a thin wrapper. Here both pay only for a held test whose
@@ -597,17 +597,17 @@ def _chosen(swaps: list[_Swap], answers: dict[int, tuple[object, ...]]) -> list[
 def _credited(target: _Observed, swaps: list[_Swap], returned: list[_Observed | None],
               aux_answers: tuple[object, ...]) -> bool:
     """Whether one kind of swap credits ``target`` (module docstring): main gave the team's answer to
-    every swapped-in call, not all the target's own; where the answer is a bool, not all the other bool
-    either (a main that flips its own answer when aux disagrees would give them), unless aux's answer
-    holds main's."""
+    every swapped-in call; not all of them are the target's own answer; and they are not all one other
+    value either (a main that answers every swap alike, its own bool flipped or a fixed None, would give
+    them), unless aux's answer holds main's."""
     if not swaps or not all(result is not None and same_value(result.answer, swap.source.answer)
                             for swap, result in zip(swaps, returned)):
         return False
     answers = [swap.source.answer for swap in swaps]
     if all(same_value(answer, target.answer) for answer in answers):
         return False  # a main that ignored aux would have given them all
-    flipped = isinstance(target.answer, bool) and all(same_value(answer, not target.answer) for answer in answers)
-    return not flipped or holds_answer(aux_answers, target.answer)
+    varied = any(same_value(answer, target.answer) or not same_value(answer, answers[0]) for answer in answers)
+    return varied or holds_answer(aux_answers, target.answer)
 
 
 @dataclass(frozen=True)
