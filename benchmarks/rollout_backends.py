@@ -4,7 +4,7 @@ A two-agent team on one base (LoRA adapters by default; ``--training full`` for 
 samples G completions of each held-out ``tldr`` prompt, as one MAGRPO rollout does, through each
 backend in turn: :func:`teamrl.rollout.generate.generate_team` with no sampler (transformers'
 batched ``generate``, mixed-adapter batches), then with a
-:class:`~teamrl.rollout.vllm_backend.VLLMSampler`. One untimed rollout first (vLLM: engine start,
+:class:`~teamrl.rollout.vllm_sampler.VLLMSampler`. One untimed rollout first (vLLM: engine start,
 CUDA graphs, adapter load), then ``--repeats`` timed ones; the table gives median seconds per rollout,
 generated tokens and tokens/s, and the speed-up of vLLM. Without a CUDA GPU or without vllm it says so
 and exits 0.
@@ -81,7 +81,7 @@ def main() -> None:
         print(f"skipped: {reason}; this benchmark compares GPU rollout backends")
         return
 
-    from teamrl.rollout.vllm_backend import VLLMSampler
+    from teamrl.rollout.vllm_sampler import VLLMSampler
 
     config = config_from_dict({
         "env": {"name": "tldr"},

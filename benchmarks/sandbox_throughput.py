@@ -107,7 +107,9 @@ def measure_here(workers: int, repeat: int, split_memory_cap: bool = False, work
     if split_memory_cap:
         from teamrl.sandbox import runner
 
-        runner._memory_cgroups = lambda: None
+        for name in ("_sandbox_cgroups", "_memory_cgroups"):  # the name before issue #51, and after
+            if hasattr(runner, name):
+                setattr(runner, name, lambda: None)
 
     bwrap = find_bubblewrap()
     if workload == "rewards":

@@ -89,8 +89,8 @@ def test_teamrl_train_end_to_end_leaves_metrics_checkpoint_and_team(tmp_path, ti
     metrics = _metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for key in ("reward/turn1/mean", "reward/turn1/std", "return/mean", "advantage/std", "loss", "kl",
-                "clip_fraction", "grad_norm", "tokens/per_second", "time/step", "memory/rss_gb",
-                "memory/peak_rss_gb"):
+                "clip_fraction", "grad_norm", "tokens/per_second", "time/step", "memory/rss_gib",
+                "memory/peak_rss_gib"):
         assert key in metrics[0], key
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples[0]["samples"][0]["observations"] == ["target 9 first", "target 9 second"]

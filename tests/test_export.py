@@ -244,6 +244,34 @@ def test_an_export_is_itself_a_team_teamrl_loads(saved_teams, exports):
         assert _greedy_team(exports["lora", format], observations)[1] == expected
 
 
+def test_the_base_and_agent_folders_sample_as_trained_whatever_the_hub_config_said(saved_teams, tmp_path,
+                                                                                   monkeypatch):
+    """``vllm serve OUT/base`` fills a request's missing sampling fields from base/generation_config.json, and plain
+    generate() samples with an agent's: both hold the trained sampling, not the hub model's (here Qwen2.5-Instruct's
+    repetition_penalty and top_k, Qwen3's top_p and temperature)."""
+    from transformers import GenerationConfig
+
+    import teamrl.export
+
+    load_base = teamrl.export._load_base
+
+    def hub_like_base(*args):
+        model, tokenizer = load_base(*args)
+        model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05,
+                                       repetition_penalty=1.05)
+        return model, tokenizer
+
+    monkeypatch.setattr(teamrl.export, "_load_base", hub_like_base)
+    out = export_team(saved_teams["lora"], tmp_path / "out")
+    trained = json.loads((saved_teams["lora"] / "team.json").read_text())["agents"][0]["sampling"]
+    for folder in ("base", "first", "second"):
+        settings = GenerationConfig.from_pretrained(out / folder)
+        assert (settings.temperature, settings.top_p, settings.top_k, settings.max_new_tokens) == (
+            trained["temperature"], trained["top_p"], trained["top_k"], trained["max_new_tokens"]), folder
+        assert settings.repetition_penalty == 1.0 and not settings.min_p, folder
+    assert "the agents' sampling settings" in (out / "base" / "README.md").read_text()
+
+
 def test_saved_adapters_name_their_base_the_same_way(tmp_path):
     from peft import AutoPeftModelForCausalLM
 

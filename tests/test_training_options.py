@@ -116,14 +116,27 @@ def test_memory_metrics_follow_what_the_process_holds():
         "import json, torch\n"
         "from teamrl.train import memory_metrics\n"
         "before = memory_metrics()\n"
-        "held = torch.ones(64 * 2**20, dtype=torch.float32)  # 268 MB, touched\n"
+        "held = torch.ones(96 * 2**20, dtype=torch.float32)  # 0.375 GiB (0.403 GB), touched\n"
         "print(json.dumps([before, memory_metrics()]))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     before, during = json.loads(result.stdout.strip().splitlines()[-1])
-    assert during["memory/rss_gb"] - before["memory/rss_gb"] > 0.25
+    assert 0.37 < during["memory/rss_gib"] - before["memory/rss_gib"] < 0.395  # GiB, not GB (0.403)
     # the kernel updates the high-water mark lazily: it may trail the current RSS by a few pages
-    assert during["memory/peak_rss_gb"] > before["memory/rss_gb"] + 0.2
+    assert during["memory/peak_rss_gib"] > before["memory/rss_gib"] + 0.35
+
+
+def test_gpu_memory_metrics_are_gib_and_include_what_the_allocator_reserved(monkeypatch):
+    """On a GPU: the peaks of torch's tensors and of its caching allocator's reserve, in GiB as nvidia-smi counts
+    (the device's CUDA calls stood in for: there is no GPU here)."""
+    from teamrl.train import memory_metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 5 * 2**30)
+    metrics = memory_metrics()
+    assert metrics["memory/cuda_peak_allocated_gib"] == 3.0 and metrics["memory/cuda_peak_reserved_gib"] == 5.0
 
 
 def test_evaluation_in_item_batches_scores_every_item_and_is_reproducible(tiny_config):

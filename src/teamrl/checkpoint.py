@@ -54,7 +54,7 @@ class AgentState:
 def agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any) -> AgentState:
     """``agent``'s trained parameters and optimiser and scheduler state, on the CPU. CPU tensors are not
     copied: write or send the state before the next update changes them."""
-    names = _parameter_names(agent)
+    names = parameter_names(agent)
     return AgentState(
         parameters={names[id(p)]: p.detach().contiguous().cpu() for p in agent.parameters},
         optim=_to_cpu({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}),
@@ -64,7 +64,7 @@ def agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any) 
 def restore_agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any, state: AgentState,
                         source: str | Path) -> None:
     """Load ``state`` (read from checkpoint ``source``) into a live agent, its optimiser and scheduler."""
-    names = _parameter_names(agent)
+    names = parameter_names(agent)
     if set(state.parameters) != set(names.values()):
         raise ValueError(f"checkpoint {source} does not match agent {agent.name!r}'s parameters; "
                          "was it written by a run with another team config?")
@@ -172,7 +172,8 @@ def load_checkpoint(path: str | Path, names: Sequence[str]) -> tuple[dict[str, A
     return agents, state
 
 
-def _parameter_names(agent) -> dict[int, str]:
+def parameter_names(agent) -> dict[int, str]:
+    """The name in ``agent``'s model of each parameter it trains, by the parameter's ``id``."""
     trained = {id(p) for p in agent.parameters}
     return {id(p): name for name, p in agent.model.named_parameters() if id(p) in trained}
 

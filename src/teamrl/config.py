@@ -91,6 +91,8 @@ class AgentConfig:
         "Per-agent overrides of `team.sampling`, e.g. {temperature: 0.7, max_new_tokens: 128}.", factory=dict
     )
     lr: float | None = _doc("This agent's learning rate; empty = `optim.lr`.", None)
+    enable_thinking: bool | None = _doc("This agent's chat-template thinking option; empty = `team.enable_thinking`.",
+                                        None)
 
 
 @dataclass
@@ -112,6 +114,10 @@ class TeamConfig:
     sampling: SamplingConfig = _doc("Sampling settings shared by all agents.", factory=SamplingConfig)
     use_chat_template: bool = _doc("Wrap each observation in the tokenizer's chat template, role as system message.",
                                    True)
+    enable_thinking: bool = _doc(
+        "The chat template's enable_thinking option (Qwen3 thinks by default; off: an empty thinking block) "
+        "(docs/training.md#chat-template-options).", False
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _doc(
         "Base weights' dtype: float32, bfloat16 or float16 (docs/performance.md#bfloat16-on-cpu).", "float32"
     )
@@ -140,6 +146,11 @@ class TeamConfig:
         if self.training == "full":
             return len(self.agents)
         return len({agent.model or self.model for agent in self.agents})
+
+    def agent_enable_thinking(self, index: int) -> bool:
+        """Agent ``index``'s ``enable_thinking``: its own, else the team's."""
+        own = self.agents[index].enable_thinking
+        return self.enable_thinking if own is None else own
 
     def agent_sampling(self, index: int) -> SamplingConfig:
         """The team's sampling settings with agent ``index``'s overrides applied."""
@@ -441,6 +452,19 @@ class RolloutConfig:
         "vLLM: free the engine's GPU memory while the agents update; one engine only, i.e. LoRA agents on one base "
         "(docs/vllm.md#enabling-it).", False
     )
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _doc(
+        "vLLM: the engines' dtype; 'auto' = team.dtype when 16-bit, else bfloat16 (docs/vllm.md#enabling-it).", "auto"
+    )
+    compile: bool = _doc(
+        "transformers: let generate() torch.compile the decoding step on CUDA (its default with a static cache); "
+        "false asks it not to (docs/performance.md#compiling-the-decoding-step).", False
+    )
+
+    def engine_dtype(self, team_dtype: str) -> str:
+        """The dtype vLLM runs in for a team whose ``team.dtype`` is ``team_dtype`` (see ``vllm_dtype``)."""
+        if self.vllm_dtype != "auto":
+            return self.vllm_dtype
+        return team_dtype if team_dtype in ("bfloat16", "float16") else "bfloat16"
 
     def validate(self, path: str) -> None:
         require(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization", "must be in (0, 1]",
@@ -476,8 +500,9 @@ def vllm_sleep_mode_rule(engines: int) -> str:
 class DistributedConfig:
     """Where the agents live: in this process, or each in its own Ray actor on a machine or a cluster."""
 
-    backend: Literal["local", "ray"] = _doc(
-        "Where agents run: 'local' (this process) or 'ray' (a Ray actor each; docs/distributed.md).", "local"
+    backend: Literal["local", "ray", "fsdp"] = _doc(
+        "Where agents run: 'local' (this process), 'ray' (a Ray actor each) or 'fsdp' (every model sharded across "
+        "the processes of a torchrun job) (docs/distributed.md).", "local"
     )
     address: str | None = _doc(
         "Ray: cluster to join, as ray.init takes it; empty = Ray's default (docs/distributed.md#config).",
@@ -571,6 +596,19 @@ class TrainConfig:
                     self.rollout.backend)
         if self.rollout.backend == "vllm":
             self._check_vllm_limits()
+        if self.distributed.backend == "fsdp":
+            self._check_fsdp_limits()
+
+    def _check_fsdp_limits(self) -> None:
+        """What ``distributed.backend: fsdp`` shards (teamrl.backends.fsdp): checked here, before a GPU is used."""
+        require(getattr(ALGORITHMS.lookup(self.algorithm.name), "trains_only_the_agents", False), "algorithm.name",
+                "must be an algorithm that trains the agents alone with distributed.backend='fsdp' (magrpo and its "
+                "variants, centralized, madpo): the others train a critic or reward model of their own, which it does "
+                "not shard; or use 'local' or 'ray'", self.algorithm.name)
+        require(not (self.team.training == "full" and self.algorithm.uses_reference), "algorithm.kl_coef",
+                "must be 0 with distributed.backend='fsdp' and team.training='full' (the KL reference would be a "
+                "second, unsharded copy of each model); train LoRA adapters, whose reference is their base",
+                self.algorithm.kl_coef)
 
     def _check_vllm_limits(self) -> None:
         """What vLLM refuses, or silently changes, for this team: checked here so that it fails at load time."""

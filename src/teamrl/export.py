@@ -59,6 +59,8 @@ class _AgentEntry:
     system_prompt: str | None
     use_chat_template: bool
     sampling: dict[str, Any]
+    enable_thinking: bool | None = None
+    """The chat template's ``enable_thinking`` option it was trained with (None: the template's default)."""
     tokenizer: Any = None
     uses_chat_template: bool = False
     """Whether its prompts go through the tokenizer's chat template (asked for, and the tokenizer has one)."""
@@ -95,7 +97,8 @@ def export_team(team_dir: str | Path, out: str | Path, *, format: str = "peft", 
     manifest = _read_manifest(team_dir)
     agents = [_AgentEntry(name=entry["name"], kind=entry["kind"], base_spec=entry["base_model"],
                           system_prompt=entry.get("system_prompt"),
-                          use_chat_template=entry.get("use_chat_template", True), sampling=entry["sampling"])
+                          use_chat_template=entry.get("use_chat_template", True), sampling=entry["sampling"],
+                          enable_thinking=entry.get("enable_thinking"))
               for entry in manifest["agents"]]
     lora_bases = list(dict.fromkeys(agent.base_spec for agent in agents if agent.kind == "lora"))
     if base_path is not None:
@@ -125,7 +128,7 @@ def export_team(team_dir: str | Path, out: str | Path, *, format: str = "peft", 
             _assign_base_folders(agents, lora_bases, out, base_path)
             for spec in lora_bases:
                 users = [a for a in agents if a.kind == "lora" and a.base_spec == spec]
-                _write_base(*bases[spec], staging / users[0].base_folder, spec, [a.name for a in users])
+                _write_base(*bases[spec], staging / users[0].base_folder, spec, users)
         for index, agent in enumerate(agents):
             target = staging / agent.name
             if agent.kind == "full":
@@ -271,18 +274,29 @@ def _assign_base_folders(agents: list[_AgentEntry], bases: list[str], out: Path,
 # Writing the folders
 
 
-def _write_base(model, tokenizer, target: Path, spec: str, agent_names: list[str]) -> None:
+def _write_base(model, tokenizer, target: Path, spec: str, users: list[_AgentEntry]) -> None:
+    """The LoRA agents' base as a plain checkpoint. Its generation_config.json holds the agents' sampling (when they
+    share one): ``vllm serve`` of this folder fills every sampling field a request leaves out from it."""
+    shared = all(agent.sampling == users[0].sampling for agent in users)
+    model.generation_config = _with_sampling(model.generation_config, users[0].sampling if shared else
+                                             {**users[0].sampling, "temperature": 1.0, "top_p": 1.0, "top_k": 0})
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     front = _front_matter("transformers", _hub_origin(spec))
+    sampling_note = (f"Its `generation_config.json` holds the agents' sampling settings "
+                     f"({_sampling_line(users[0].sampling)}), which `vllm serve` applies to any request that "
+                     f"leaves one out." if shared else
+                     "The agents sample differently, so its `generation_config.json` applies no sampling filter: "
+                     "a request to `vllm serve` must send the agent's own settings (each agent's "
+                     "`generation_config.json` holds them; `teamrl serve --vllm-url` sends them).")
     _write_text(target / CARD_FILE, front + textwrap.dedent(f"""
         # Base model of a teamrl team
 
-        The frozen base model that the LoRA adapters of {_names(agent_names)} apply to (teamrl model spec
-        `{spec}`{_origin_note(spec)}), saved as a plain transformers checkpoint with its tokenizer. Each
+        The frozen base model that the LoRA adapters of {_names([a.name for a in users])} apply to (teamrl model
+        spec `{spec}`{_origin_note(spec)}), saved as a plain transformers checkpoint with its tokenizer. Each
         adapter's `adapter_config.json` names this folder in `base_model_name_or_path`; see the team's
         README.md.
-        """))
+        """) + "\n" + sampling_note + "\n")
 
 
 def _write_adapter(source: Path, target: Path, agent: _AgentEntry, base_model) -> None:
@@ -321,19 +335,28 @@ def _write_full_agent(source: Path, target: Path, agent: _AgentEntry) -> None:
 def _generation_config(model_config, agent: _AgentEntry):
     """``model_config`` with the agent's sampling settings and every token id teamrl ends a completion at
     (:attr:`teamrl.team.Agent.eos_token_ids`): ``generate`` then samples as the team was trained to."""
+    from teamrl.models.chat import stop_token_ids
+
+    config = _with_sampling(model_config, agent.sampling)
+    eos = stop_token_ids(agent.tokenizer, config)
+    config.eos_token_id = eos if len(eos) != 1 else eos[0]
+    if config.pad_token_id is None:
+        config.pad_token_id = agent.tokenizer.pad_token_id
+    return config
+
+
+def _with_sampling(model_config, sampling: dict[str, Any]):
+    """A copy of ``model_config`` that samples as ``sampling`` (an agent's settings) says, and nothing else: the
+    filters teamrl never applies (a hub model's own, e.g. Qwen2.5-Instruct's repetition_penalty 1.05) off."""
     config = copy.deepcopy(model_config)
     config._from_model_config = False  # else generate() may replace it with the model config's settings
-    sampling = agent.sampling
     config.do_sample = True
     config.temperature = sampling["temperature"]
     config.top_p = sampling["top_p"]
     config.top_k = sampling["top_k"]  # 0 turns it off, in transformers as in teamrl
     config.max_new_tokens = sampling["max_new_tokens"]
-    configured = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    eos = sorted({i for i in (agent.tokenizer.eos_token_id, *configured) if i is not None})
-    config.eos_token_id = eos if len(eos) != 1 else eos[0]
-    if config.pad_token_id is None:
-        config.pad_token_id = agent.tokenizer.pad_token_id
+    config.min_p = None
+    config.repetition_penalty = 1.0
     return config
 
 
@@ -425,20 +448,22 @@ def _imports(loaders: set[str]) -> str:
 # encode_prompts, decode_completions); the cards' snippets and the export's tests run exactly this code.
 _ANSWER_FUNCTIONS = '''
 
-def prompt_of(tokenizer, system_prompt, use_chat_template, observation):
-    """The agent's prompt, as in training, and whether the tokenizer adds its special tokens to it."""
-    if use_chat_template:
+def prompt_of(tokenizer, system_prompt, chat_template, observation):
+    """The agent's prompt, as in training, and whether the tokenizer adds its special tokens to it.
+    chat_template: the options its chat template was rendered with (e.g. enable_thinking), None for plain text."""
+    if chat_template is not None:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": observation})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **chat_template), False
     return (f"{system_prompt}\\n\\n{observation}" if system_prompt else observation), True
 
 
-def answer(path, model_class, system_prompt, use_chat_template, observation, **generate_options):
+def answer(path, model_class, system_prompt, chat_template, observation, **generate_options):
     """One agent's answer to its observation (generate_options, e.g. do_sample=False, override its sampling)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = model_class.from_pretrained(path)
-    prompt, special_tokens = prompt_of(tokenizer, system_prompt, use_chat_template, observation)
+    prompt, special_tokens = prompt_of(tokenizer, system_prompt, chat_template, observation)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=special_tokens)
     settings = GenerationConfig.from_pretrained(path)  # the agent's sampling settings and end tokens
     settings.update(**generate_options)
@@ -465,7 +490,16 @@ def _prompt_text(agent: _AgentEntry, observation: str) -> str:
     from teamrl.team import Agent
 
     return Agent(name=agent.name, model=None, tokenizer=agent.tokenizer, sampling=SamplingConfig(**agent.sampling),
-                 system_prompt=agent.system_prompt, use_chat_template=agent.use_chat_template).prompt(observation)
+                 system_prompt=agent.system_prompt, use_chat_template=agent.use_chat_template,
+                 enable_thinking=agent.enable_thinking).prompt(observation)
+
+
+def _template_options(agent: _AgentEntry) -> dict[str, bool] | None:
+    """The card snippets' ``chat_template`` argument: the options the agent's chat template renders with (as
+    :func:`teamrl.models.chat.render_chat` passes them), or None for a plain-text prompt."""
+    if not agent.uses_chat_template:
+        return None
+    return {} if agent.enable_thinking is None else {"enable_thinking": agent.enable_thinking}
 
 
 def _prompt_description(agent: _AgentEntry, index: int, manifest: dict[str, Any]) -> str:
@@ -532,7 +566,7 @@ def _agent_card(agent: _AgentEntry, index: int, agents: list[_AgentEntry], manif
             agent = {str(folder.absolute())!r}
             system_prompt = {agent.system_prompt!r}
             observation = {observation!r}
-            print(answer(agent, {_loader(agent, format)}, system_prompt, {agent.uses_chat_template!r}, observation))
+            print(answer(agent, {_loader(agent, format)}, system_prompt, {_template_options(agent)!r}, observation))
             """).rstrip(), "python"),
         "",
     ]
@@ -669,7 +703,8 @@ def _team_card(team_dir: Path, manifest: dict[str, Any], agents: list[_AgentEntr
         lines.append(f"| {index + 1} | `{agent.name}` | {role} | {prompt} | {_sampling_line(agent.sampling)} |")
     lines += ["", "Agent i's prompt is built from the task's observation for seat i, `observe(item)[i]`: through "
                   "the tokenizer's chat template (a system message with the role, a user message with the "
-                  "observation, the generation prompt added; tokenized without adding special tokens), or as plain "
+                  "observation, the generation prompt added, the template's options as trained, e.g. "
+                  "`enable_thinking`; tokenized without adding special tokens), or as plain "
                   "text (the role, a blank line and the observation) where the agent has no chat template. Each "
                   "agent's card shows its exact prompt of an example item.", "",
               "## Task and reward", ""]
@@ -678,9 +713,10 @@ def _team_card(team_dir: Path, manifest: dict[str, Any], agents: list[_AgentEntr
     lines += _run_summary(team_dir, manifest)
     observations = example[1] if example else ["..." for _ in agents]
     rows = "\n".join(f"    ({str((out / a.name).absolute())!r}, {_loader(a, format)}, {a.system_prompt!r}, "
-                     f"{a.uses_chat_template!r})," for a in agents)
+                     f"{_template_options(a)!r})," for a in agents)
     snippet = _imports({_loader(agent, format) for agent in agents}) + "\n" + _ANSWER_FUNCTIONS + "\n" + (
-        f"AGENTS = [  # (folder, model class, system prompt, chat template?) in seat order\n{rows}\n]\n"
+        f"AGENTS = [  # (folder, model class, system prompt, chat template options or None) in seat order\n"
+        f"{rows}\n]\n"
         f"observations = {observations!r}  # one per agent: the task's observe(item)\n"
         "# The agents are independent: run them in parallel (threads, processes, servers) as you like.\n"
         "outputs = [answer(*agent, observation) for agent, observation in zip(AGENTS, observations)]\n"

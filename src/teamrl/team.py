@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,9 @@ from torch import nn
 from teamrl.config import SamplingConfig, TeamConfig
 from teamrl.envs.base import Environment
 from teamrl.models.attention import use_grouped_attention
+from teamrl.models.chat import render_chat, stop_token_ids
 from teamrl.models.onednn import use_onednn_linears
+from teamrl.models.precision import train_in_mixed_precision
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Agent:
     sampling: SamplingConfig
     system_prompt: str | None = None
     use_chat_template: bool = True
+    enable_thinking: bool | None = False
+    """The chat template's ``enable_thinking`` option (Qwen3's thinking block); None: the template's default."""
     adapter: str | None = None
     """Name of this agent's LoRA adapter inside ``model`` (None when the agent owns ``model`` outright)."""
     reference_model: nn.Module | None = None
@@ -67,11 +71,9 @@ class Agent:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """Every token id that ends a completion (the tokenizer's eos and the generation config's)."""
-        ids = {self.tokenizer.eos_token_id}
-        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(configured if isinstance(configured, list) else [configured])
-        return sorted(i for i in ids if i is not None)
+        """Every token id that ends a completion: the tokenizer's eos, the generation config's and the token that
+        closes an assistant turn in the chat template (:func:`~teamrl.models.chat.stop_token_ids`)."""
+        return stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
 
     @property
     def uses_chat_template(self) -> bool:
@@ -83,12 +85,13 @@ class Agent:
         if self.uses_chat_template:
             messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             messages.append({"role": "user", "content": observation})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return render_chat(self.tokenizer, messages, self.enable_thinking)
         return f"{self.system_prompt}\n\n{observation}" if self.system_prompt else observation
 
-    def save_adapter(self, directory: str | Path) -> Path:
+    def save_adapter(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write this agent's LoRA adapter in PEFT's format (``adapter_model.safetensors`` and
-        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM.
+        ``adapter_config.json``), loadable by ``PeftModel.from_pretrained`` and by vLLM. ``state_dict``: the
+        model's weights to read it from, where the model's own are not whole (sharded by FSDP).
 
         ``base_model_name_or_path`` names the base as transformers loads it without teamrl
         (:func:`~teamrl.models.loading.loadable_reference`), the same for every agent on that base: PEFT
@@ -103,7 +106,7 @@ class Agent:
             raise ValueError(f"agent {self.name!r} has no LoRA adapter to save (it trains its full model)")
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        state = get_peft_model_state_dict(self.model, state_dict=state_dict, adapter_name=self.adapter)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                   str(target / "adapter_model.safetensors"))
         adapter_config = copy.copy(self.model.peft_config[self.adapter])  # the live one stays PEFT's
@@ -149,7 +152,8 @@ class Team:
                 model, tokenizer = shared_bases[spec]
             else:
                 model, tokenizer = load_base_model(spec, env, seed=seed, dtype=dtype, device=config.device,
-                                                   onednn_linear=config.onednn_linear)
+                                                   onednn_linear=config.onednn_linear,
+                                                   trained_whole=config.training == "full")
             agent = Agent(
                 name=agent_cfg.name,
                 model=model,
@@ -157,6 +161,7 @@ class Team:
                 sampling=config.agent_sampling(index),
                 system_prompt=agent_cfg.system_prompt or (env.roles[index] if index < len(env.roles) else None),
                 use_chat_template=config.use_chat_template,
+                enable_thinking=config.agent_enable_thinking(index),
                 base_spec=spec,
             )
             if config.training == "lora":
@@ -177,12 +182,15 @@ class Team:
                 agent.parameters = [p for n, p in agent.model.named_parameters() if marker in n and "lora_" in n]
         return cls(agents)
 
-    def save_pretrained(self, directory: str | Path, metadata: dict | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, metadata: dict | None = None, *,
+                        state_dict_of: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None) -> Path:
         """Save every agent (its adapter, or its full weights) and tokenizer, plus a ``team.json`` manifest.
 
         An adapter is saved in PEFT's format, so ``PeftModel.from_pretrained(base, directory/agent)``
         loads it with no teamrl code. ``metadata`` (e.g. the environment and seed the team was
-        trained with) is stored in ``team.json`` for :meth:`from_pretrained`.
+        trained with) is stored in ``team.json`` for :meth:`from_pretrained`. ``state_dict_of(model)``: the
+        weights to write for an agent's model, where the model's own are not whole (sharded by FSDP; for a LoRA
+        model its adapters' entries suffice).
         """
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
@@ -190,10 +198,11 @@ class Team:
         for agent in self.agents:
             target = root / agent.name
             target.mkdir(exist_ok=True)
+            state_dict = None if state_dict_of is None else state_dict_of(agent.model)
             if agent.adapter is not None:
-                agent.save_adapter(target)
+                agent.save_adapter(target, state_dict)
             else:
-                agent.model.save_pretrained(str(target))
+                agent.model.save_pretrained(str(target), state_dict=state_dict)
             agent.tokenizer.save_pretrained(str(target))
             manifest.append({
                 "name": agent.name,
@@ -201,6 +210,7 @@ class Team:
                 "kind": "lora" if agent.adapter is not None else "full",
                 "system_prompt": agent.system_prompt,
                 "use_chat_template": agent.use_chat_template,
+                "enable_thinking": agent.enable_thinking,
                 "sampling": asdict(agent.sampling),
             })
         (root / "team.json").write_text(json.dumps({**(metadata or {}), "agents": manifest}, indent=2))
@@ -251,14 +261,18 @@ class Team:
                 name=entry["name"], model=model.eval(), tokenizer=tokenizer,
                 sampling=SamplingConfig(**entry["sampling"]), system_prompt=entry["system_prompt"],
                 use_chat_template=entry["use_chat_template"], adapter=adapter, base_spec=entry["base_model"],
+                # A team saved before the option existed was trained with its template's default.
+                enable_thinking=entry.get("enable_thinking"),
             ))
         return cls(agents)
 
 
 def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtype, device: str,
-                    onednn_linear: bool = True):
+                    onednn_linear: bool = True, trained_whole: bool = False):
     """Load a base model and tokenizer from a model spec (see ``TeamConfig.model``); ``onednn_linear``: see
-    :attr:`TeamConfig.onednn_linear`."""
+    :attr:`TeamConfig.onednn_linear`. ``trained_whole``: every weight will train (full fine-tuning), so a 16-bit
+    ``dtype`` is the compute dtype and the weights are kept in float32
+    (:func:`~teamrl.models.precision.train_in_mixed_precision`)."""
     if spec == "tiny":
         from teamrl.models.tiny import tiny_model_and_tokenizer
 
@@ -273,9 +287,12 @@ def load_base_model(spec: str, env: Environment, *, seed: int, dtype: torch.dtyp
 
         model, tokenizer = load_model_and_tokenizer(spec, dtype=str(dtype).removeprefix("torch."), device=device)
     model = model.to(device=device, dtype=dtype)
+    mixed = trained_whole and dtype != torch.float32
+    if mixed:
+        train_in_mixed_precision(model, dtype)
     if torch.device(device).type == "cpu":
         use_grouped_attention(model)
-        if onednn_linear:
+        if onednn_linear and not mixed:  # under autocast oneDNN's layers run as nn.Linear: nothing to gain
             use_onednn_linears(model)
     return model, tokenizer
 

@@ -27,6 +27,7 @@ import yaml
 from teamrl.algorithms.base import AgentBackend, Algorithm, make_algorithm, make_environment
 from teamrl.algorithms.update import NonFiniteUpdate
 from teamrl.backends import make_backend
+from teamrl.backends.ranks import any_rank, barrier, is_main_process
 from teamrl.checkpoint import (
     CheckpointUnreadable,
     NonFiniteWeights,
@@ -46,6 +47,7 @@ from teamrl.rollout.episodes import ProgramRollout, run_episodes
 from teamrl.rollout.generate import derive_seed
 from teamrl.rollout.tree import RolloutTree, sample_tree
 from teamrl.run_dir import (
+    CHECKPOINT_PREFIX,
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     EVAL_FILE,
@@ -70,6 +72,9 @@ if TYPE_CHECKING:
     from teamrl.serve.gateway import Gateway
 
 log = logging.getLogger(__name__)
+
+GIB = 2**30
+"""Bytes in a GiB: memory metrics are in GiB, as torch and nvidia-smi count."""
 
 
 def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -126,12 +131,15 @@ class Trainer:
                  resume: bool = False, overwrite: bool = False):
         self.config = config
         self.run_dir = Path(config.run_dir)
-        self._run_lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        # In a multi-process job (distributed.backend: fsdp) every rank trains and rank 0 alone writes the run.
+        self._writes = is_main_process()
+        self._run_lock = (claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite) if self._writes
+                          else _WrittenByRankZero())
         try:
             self._build(team, env)
             if resume:
                 self._resume()
-            elif overwrite:  # only now that the new run could be built: a failed load keeps the old run
+            elif overwrite and self._writes:  # only now that the new run is built: a failed load keeps the old one
                 clear_run_outputs(self.run_dir)
         except BaseException:
             self.close()
@@ -265,11 +273,12 @@ class Trainer:
         keeping the last checkpoint.
         """
         config = self.config
-        run_settings = run_config(config_to_dict(config), self.run_dir, self._task_record)
-        (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(run_settings, sort_keys=False))
-        self._open_writers()
+        if self._writes:
+            run_settings = run_config(config_to_dict(config), self.run_dir, self._task_record)
+            (self.run_dir / CONFIG_FILE).write_text(yaml.safe_dump(run_settings, sort_keys=False))
+            self._open_writers()
         history = []
-        progress = _progress(config, initial=self.step)
+        progress = _progress(config, initial=self.step) if self._writes else None
         evaluate_every = self._evaluation_interval()
         try:
             with _StopAtStepEnd() as stop:
@@ -289,7 +298,8 @@ class Trainer:
                         progress.set_postfix(self._progress_postfix(metrics))
                     every = config.checkpoint.save_every
                     # A signal during the last step changes nothing: the run is complete.
-                    stopping = stop.signum is not None and self.step < config.steps and not finished
+                    # Every rank stops after the same step (its checkpoint is a collective), whichever saw the signal.
+                    stopping = any_rank(stop.signum is not None) and self.step < config.steps and not finished
                     if self.step == config.steps or (every and self.step % every == 0) or stopping or finished:
                         checkpoint = self.save()
                     if stopping:
@@ -298,7 +308,8 @@ class Trainer:
                             f"saved in {checkpoint}; resume with: {how_to_resume(self.run_dir)}", stop.signum)
                     if finished:
                         break
-            plot_run(self.run_dir)
+            if self._writes:
+                plot_run(self.run_dir)
         except _StopNow as stop_now:
             kept = complete_checkpoints(self.run_dir)
             what = (f"the last checkpoint, {kept[0]}, is kept; resume with: {how_to_resume(self.run_dir)}" if kept
@@ -339,7 +350,13 @@ class Trainer:
         """
         states = {**dict(zip(self.agent_names, self.agents.states())), **self.algorithm.states()}
         try:
-            return save_checkpoint(self.run_dir, self.step, states, keep_last=self.config.checkpoint.keep_last)
+            if not self._writes:  # every rank holds the same full states: each refuses non-finite ones alike
+                require_finite(states, f"checkpoint of step {self.step}")
+                barrier()
+                return self.run_dir / CHECKPOINTS_DIR / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+            written = save_checkpoint(self.run_dir, self.step, states, keep_last=self.config.checkpoint.keep_last)
+            barrier()
+            return written
         except NonFiniteWeights as err:
             raise self._stopped(self.step, err) from err
 
@@ -432,8 +449,9 @@ class Trainer:
         record = {"step": self.step, **metrics, "items": len(samples) // settings.samples,
                   "samples": settings.samples, "seconds": seconds}
         self.evaluations.append(record)
-        with open(self.run_dir / EVAL_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self._writes:
+            with open(self.run_dir / EVAL_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
         for writer in self._writers:
             writer.log({**{f"eval/{name}": value for name, value in metrics.items()}, "eval/seconds": seconds},
                        self.step)
@@ -443,8 +461,8 @@ class Trainer:
     def _resume(self) -> None:
         """Load the newest checkpoint that reads back whole (a damaged one is skipped with a warning: that
         is what ``checkpoint.keep_last`` > 1 keeps older ones for) and drop what the run logged after it."""
-        for partial in (self.run_dir / CHECKPOINTS_DIR).glob(".tmp-*"):  # left by a run killed mid-save
-            shutil.rmtree(partial, ignore_errors=True)
+        for partial in (self.run_dir / CHECKPOINTS_DIR).glob(".tmp-*") if self._writes else ():
+            shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-save
         for checkpoint in complete_checkpoints(self.run_dir):
             try:
                 states, state = load_checkpoint(checkpoint, [*self.agent_names, *self.algorithm.states()])
@@ -458,10 +476,12 @@ class Trainer:
         self.algorithm.load_states(states, checkpoint)
         self.step = int(state["step"])
         # Steps logged or checkpointed after this checkpoint will be redone: drop them.
-        for skipped in discard_checkpoints_after(self.run_dir, self.step):
-            log.warning("removed %s: the run resumes from %s and redoes its steps", skipped, checkpoint)
-        for name in (METRICS_FILE, SAMPLES_FILE, EVAL_FILE):
-            _truncate_jsonl(self.run_dir / name, self.step)
+        if self._writes:
+            for skipped in discard_checkpoints_after(self.run_dir, self.step):
+                log.warning("removed %s: the run resumes from %s and redoes its steps", skipped, checkpoint)
+            for name in (METRICS_FILE, SAMPLES_FILE, EVAL_FILE):
+                _truncate_jsonl(self.run_dir / name, self.step)
+        barrier()  # every rank reads eval.jsonl as rank 0 left it: they evaluate at the same steps
         if (self.run_dir / EVAL_FILE).exists():
             self.evaluations = [json.loads(line) for line in (self.run_dir / EVAL_FILE).read_text().splitlines()]
 
@@ -479,6 +499,8 @@ class Trainer:
             self._writers.append(_WandB(run))
 
     def _log(self, metrics: dict[str, float]) -> None:
+        if not self._writes:
+            return
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         for writer in self._writers:
@@ -487,6 +509,13 @@ class Trainer:
         if every and (self.step % every == 0 or self.step == 1):
             with open(self.run_dir / SAMPLES_FILE, "a") as f:
                 f.write(json.dumps({"step": self.step, "samples": self._last_samples}) + "\n")
+
+
+class _WrittenByRankZero:
+    """The run directory's hold in a process that is not rank 0 of its job: rank 0 holds it (and writes it)."""
+
+    def release(self) -> None:
+        pass
 
 
 def task_record(task: Environment) -> dict[str, Any]:
@@ -583,14 +612,16 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 def memory_metrics() -> dict[str, float]:
-    """This process's memory now: resident (``memory/rss_gb``, Linux), its peak so far
-    (``memory/peak_rss_gb``) and, on a GPU, the peak allocated by torch (``memory/cuda_peak_gb``).
-    Logged every step, so a run shows whether its memory stays flat. Where the OS does not say (no
-    /proc, or no ``resource`` module on Windows), that metric is left out."""
+    """This process's memory now, in GiB (2**30 bytes): resident (``memory/rss_gib``, Linux), its peak so far
+    (``memory/peak_rss_gib``) and, on a GPU, the peaks of what torch allocated to tensors
+    (``memory/cuda_peak_allocated_gib``) and of what its caching allocator reserved from the device
+    (``memory/cuda_peak_reserved_gib``, what the GPU actually lost to this process; the gap is fragmentation and
+    cached blocks). Logged every step, so a run shows whether its memory stays flat. Where the OS does not say
+    (no /proc, or no ``resource`` module on Windows), that metric is left out."""
     metrics = {}
     try:
         with open("/proc/self/statm") as f:
-            metrics["memory/rss_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+            metrics["memory/rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
     except OSError:  # not Linux
         pass
     try:
@@ -599,9 +630,10 @@ def memory_metrics() -> dict[str, float]:
         pass
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
-        metrics["memory/peak_rss_gb"] = peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+        metrics["memory/peak_rss_gib"] = peak / GIB if sys.platform == "darwin" else peak * 1024 / GIB
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        metrics["memory/cuda_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        metrics["memory/cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        metrics["memory/cuda_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     return metrics
 
 

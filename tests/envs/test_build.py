@@ -426,9 +426,11 @@ def test_early_termination_values_a_stop_at_what_was_built_never_above_finishing
     # (+0.75) and stop. The reward is a per-turn increment, so a stop earns nothing after it: the half-built stop
     # is worth 0.5 and the finished episode 1.0. Repeating the stopped rewards (as for a state value) would value
     # the half-built stop at 0.5 * 3 = 1.5, above finishing and above max_reward.
-    from teamrl.algorithms.magrpo import advantages, rollout, rollout_metrics
+    from teamrl.algorithms.advantages import rollout_metrics
+    from teamrl.algorithms.magrpo import advantages
     from teamrl.config import AlgorithmConfig
     from teamrl.rollout.generate import Generation
+    from teamrl.rollout.tree import sample_tree
 
     def sample(observations, num_samples, seed):
         replies = {(0, True): ["place 0 0 0 R\nplace 0 0 1 G", "place 0 0 0 R"], (1, True): ["", ""],
@@ -443,7 +445,7 @@ def test_early_termination_values_a_stop_at_what_was_built_never_above_finishing
     build = env(max_turns=3)
     assert build.turn_reward == "increment"
     config = AlgorithmConfig(num_generations=2, num_turns=3, early_termination_threshold=0.5)
-    tree = rollout(sample, build, [ITEM], config)
+    tree = sample_tree(sample, build, [ITEM], config)
     assert [turn.rewards.flatten().tolist() for turn in tree.turns] == [[0.5, 0.25], [0.75, 0.75]]
     assert tree.turns[0].terminated.tolist() == [[True, False]] and tree.turns[1].terminated.all()
     per_agent, returns = advantages(tree, 2, config)

@@ -147,7 +147,10 @@ def test_joint_actions_score_what_the_code_reward_says(humaneval):
     item = _problem(humaneval, "HumanEval/0")
     team, alone, garbage = humaneval.joint_rewards(
         [(item, (SORTING_AUX, MAIN_WITH_AUX), ()), (item, ("", MAIN_ALONE), ()), (item, ("hello", "world"), ())])
-    assert team.total == pytest.approx(4.0) == humaneval.max_reward
+    # aux sorts, main compares the gaps with its own threshold: credited on 4 held tests of 5 through the
+    # swaps of the numbers; on the 5th every swap's answer is False, the other bool, which a main that
+    # flips its own answer whenever aux disagrees would give too (teamrl.rewards.code, "Cooperation").
+    assert team.total == pytest.approx(1.5 + 1.0 + 1.5 * 4 / 5) and humaneval.max_reward == 4.0
     assert team.counts["tests_passed"] == team.counts["tests_total"] == 5.0  # the held tests
     assert team.counts["shown_tests_passed"] == team.counts["shown_tests_total"] == 2.0
     # main alone: structure 0.6 + syntax 0.5 + tests 1.0, no helper and no cooperation
@@ -180,7 +183,7 @@ def test_hostile_joint_actions_are_contained_and_the_rest_of_the_batch_is_graded
     item = _problem(humaneval, "HumanEval/0")
     batch = [(SORTING_AUX, MAIN_WITH_AUX), *((aux, CALLING_MAIN) for aux in HOSTILE_AUX.values()), ("", MAIN_ALONE)]
     results = humaneval.joint_rewards([(item, actions, ()) for actions in batch])
-    assert results[0].total == pytest.approx(4.0) and results[-1].total == pytest.approx(2.1)
+    assert results[0].total == pytest.approx(3.7) and results[-1].total == pytest.approx(2.1)
     for name, result in zip(HOSTILE_AUX, results[1:-1]):
         assert result.parts["tests"] == 0.0, name
         assert result.counts["tests_total"] == 5.0, name
@@ -217,9 +220,9 @@ def test_individual_rewards_reuse_the_joint_grading_and_run_nothing_twice(humane
     real_submit = humaneval.pool.submit
     monkeypatch.setattr(humaneval.pool, "submit", lambda program: submitted.append(program) or real_submit(program))
     humaneval.joint_rewards(requests)
-    assert len(submitted) == 3
+    assert len(submitted) == 6  # each joint action's held tests and, in a sandbox of their own, its shown ones
     humaneval.individual_rewards_many(requests)  # what the rollout does next, for learners=individual
-    assert len(submitted) == 3
+    assert len(submitted) == 6
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,7 +252,7 @@ def test_feedback_gives_syntax_errors_and_undefined_names_of_each_agents_own_cod
 
 
 @needs_bubblewrap
-def test_feedback_details_failed_shown_tests_and_only_counts_the_held_ones(humaneval):
+def test_feedback_details_failed_shown_tests_and_says_nothing_of_the_held_ones(humaneval):
     item = _problem(humaneval, "HumanEval/0")
     negated = MAIN_WITH_AUX.replace("return any(", "return not any(")
     helper_obs, main_obs = _next(humaneval, item, (SORTING_AUX, negated))
@@ -257,7 +260,8 @@ def test_feedback_details_failed_shown_tests_and_only_counts_the_held_ones(human
         assert ("Tests shown to you: 2 of 2 tests failed:\n"
                 "- assert has_close_elements([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True\n"
                 "  expected: True\n  actual:   False") in observation
-        assert "Hidden tests (they grade the team; not shown): 0 of 5 passed." in observation
+        assert "\nHidden tests grade the team; nothing of them is shown, not even how many passed.\n" in observation
+        assert "of 5" not in observation  # not even a count: a count is an oracle across turns
         # Nothing of a held test: neither its arguments nor its expected value.
         for held in item["tests"]:
             call = assertion_label(held, "has_close_elements").removeprefix("assert ").split(" == ")[0]
@@ -296,7 +300,9 @@ def test_mbpp_from_a_local_jsonl():
     requests = [(item, ("", item["reference"]), ()) for item in env.items("train")] + [(primes, (helper, main), ())]
     rewards = env.joint_rewards(requests)
     assert [r.parts["tests"] for r in rewards] == [1.0, 1.0, 1.0]
-    assert rewards[-1].total == pytest.approx(4.0)
+    # main calls aux once per item, and no two tests' lists are as long: aux's answers to another test
+    # never fit main's calls, so the swaps cannot show main building on them (teamrl.rewards.code)
+    assert rewards[-1].total == pytest.approx(2.5)
     # individual: no helper code -> 0 ; the reference main 0.6 + 0.5 + 1.0 ; the full team 0.9 and 2.1
     individual = env.individual_rewards_many(requests)
     for own, expected in zip(individual, ([0.0, 2.1], [0.0, 2.1], [0.9, 2.1])):

@@ -228,3 +228,84 @@ def test_independent_learners_train_on_the_writing_tasks(task, tiny_config):
     history = Trainer(config).train()
     assert [metrics["step"] for metrics in history] == [1, 2]
     assert all(metrics["loss"] == metrics["loss"] for metrics in history)  # finite, not NaN
+
+
+# --------------------------------------------------------------------------------------------------
+# Several turns: each agent revises its part after feedback on the pair
+
+
+@pytest.mark.parametrize(("c1", "c2", "summary_told", "detailed_told"), [
+    ("Too short.", DETAILED, "Your one-sentence summary has 2 words; it needs 8 to 256.",
+     "Your detailed summary's length (59 words) is fine; the one-sentence summary is not."),
+    (SHORT, SHORT + " It was unfair.",
+     "The detailed summary is 1.2 times as long as the one-sentence summary; it should be 1.6 to 3.2 times as "
+     "long. Make yours shorter.",
+     "The detailed summary is 1.2 times as long as the one-sentence summary; it should be 1.6 to 3.2 times as "
+     "long. Write more."),
+    (SHORT, " ".join([SHORT] * 2) + " Really.",
+     "The detailed summary uses 1.1 times as many different words as the one-sentence summary; it should use at "
+     "least 2 times as many. Use fewer, plainer words.",
+     "The detailed summary uses 1.1 times as many different words as the one-sentence summary; it should use at "
+     "least 2 times as many. Use more varied words."),
+])
+def test_feedback_names_the_first_level_the_pair_fails_in_numbers(c1, c2, summary_told, detailed_told):
+    from teamrl.rewards.writing import TLDR_SPEC, writing_feedback
+
+    names = TldrEnv.output_names
+    assert writing_feedback(TLDR_SPEC, c1, c2, names) == (summary_told, detailed_told)
+
+
+def test_feedback_past_the_gates_says_what_is_left_to_gain_to_whom():
+    from teamrl.rewards.writing import TLDR_SPEC, writing_feedback
+
+    detailed = ("The landlord kept my deposit for carpet stains. However, my move-in photos show the same stains, "
+                "so the damage came before me. As a result, I can dispute it with a letter and small claims court.")
+    result = tldr_reward(SHORT, detailed)
+    assert result.parts["jaccard"] == 0.6 and result.parts["transitions"] < 0.4  # two transition kinds only
+    # TLDR looks for transitions in the detailed summary alone: only its writer is told to add them.
+    assert writing_feedback(TLDR_SPEC, SHORT, detailed, TldrEnv.output_names) == (
+        "Your part fits; keep it as it is.",
+        "The lengths and wording fit. To improve, link ideas with more kinds of transition words such as first, "
+        "because, however, for example, as a result, finally (2 kinds so far).")
+
+
+def test_a_later_turn_shows_each_agent_both_answers_and_its_own_feedback():
+    from teamrl.envs.base import Step
+
+    env = TldrEnv(POSTS, eval_size=2, turns=2)
+    item = env.items("eval")[0]
+    first = (SHORT, SHORT + " It was unfair.")
+    summary_seen, detailed_seen = env.next_observations(item, [Step(tuple(env.observe(item)), first,
+                                                                    env.joint_reward(item, first))])
+    assert summary_seen.startswith(env.observe(item)[0])
+    assert f"Your one-sentence summary:\n{first[0]}" in summary_seen
+    assert f"Your teammate's detailed summary:\n{first[1]}" in summary_seen
+    assert "Make yours shorter." in summary_seen and "Write more." in detailed_seen
+    assert detailed_seen.endswith("Write your detailed summary again, improved, and nothing else.")
+
+
+def test_a_sparse_episode_is_scored_at_its_last_turn_only():
+    from teamrl.envs.base import Step
+
+    env = TldrEnv(POSTS, eval_size=2, turns=2, sparse=True)
+    item = env.items("eval")[0]
+    pair = (SHORT, DETAILED)
+    assert env.joint_reward(item, pair).total == 0.0 and env.individual_rewards(item, pair) == [0.0, 0.0]
+    step = Step(tuple(env.observe(item)), pair, env.joint_reward(item, pair))
+    assert env.joint_reward(item, pair, [step]) == tldr_reward(*pair)
+    with pytest.raises(ValueError, match=r"algorithm\.num_turns: sparse: true pays only at turn env\.kwargs\.turns "
+                                         r"= 2, so a 1-turn episode earns 0 everywhere"):
+        env.check_num_turns(1)
+    with pytest.raises(ValueError, match=r"env\.kwargs\.sparse: a sparse reward pays the last of several turns"):
+        TldrEnv(POSTS, eval_size=2, sparse=True)
+    with pytest.raises(ValueError, match=r"algorithm\.num_turns: TldrEnv supports at most 2 turns"):
+        env.check_num_turns(3)
+
+
+def test_a_two_turn_writing_team_trains(tiny_config):
+    config = tiny_config(env={"name": "tldr", "kwargs": {"source": POSTS, "eval_size": 2, "turns": 2}},
+                         team={"training": "lora", "sampling": {"max_new_tokens": 6}},
+                         algorithm={"num_generations": 2, "num_turns": 2}, items_per_step=1, steps=1)
+    with Trainer(config) as trainer:
+        metrics = trainer.train_step()
+    assert metrics["turn2/joint_actions"] == 4.0 and "reward/episode/mean" in metrics

@@ -17,11 +17,13 @@ from teamrl.rewards.code import (
     cooperation_can_pay,
     grade_team_code,
     helper_reward,
+    holds_answer,
     ignores_result,
     individual_code_rewards,
     is_thin_wrapper,
     main_reward,
     returns_value,
+    same_value,
 )
 from teamrl.rewards.code_extract import extract_code, join_team_program, strip_markdown
 from teamrl.sandbox import ExecutionRecord, SandboxLimits, SandboxPool, TestOutcome
@@ -179,12 +181,12 @@ def _record(*passed: bool) -> ExecutionRecord:
                            status="completed", exit_code=0)
 
 
-def _probe(record: ExecutionRecord, contributed: tuple[int, ...] | None = None, forwarded: bool = False,
-           aux_alone: bool | None = None) -> CooperationProbe:
+def _probe(record: ExecutionRecord, contributed: tuple[int, ...] | None = None,
+           thin: tuple[int, ...] | None = ()) -> CooperationProbe:
     """A cooperation probe of ``record``'s passed tests; by default aux contributed to every one of them."""
     passed = tuple(outcome.index for outcome in record.tests if outcome.passed)
-    return CooperationProbe(passed=passed, contributed=passed if contributed is None else contributed,
-                            forwarded=forwarded, aux_alone=aux_alone, stub_record=_record())
+    contributed = passed if contributed is None else contributed
+    return CooperationProbe(passed=passed, contributed=contributed, thin=contributed if thin is ALL else thin)
 
 
 AUX_OK = "def aux(xs):\n    return sum(xs)\n"
@@ -222,13 +224,14 @@ ALL = None  # the probe found aux behind every passing test
     (AUX_OK, MAIN_THIN, (True, True), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
-    # thin by behaviour: main handed the stub's result back on every test, or aux alone passes them
-    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "forwarded": True},
+    # thin by behaviour: main's answer is aux's answer, or a part of it, on every credited test ...
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "thin": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
       "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
-    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "aux_alone": True},
+    # ... or on one of them: the non-wrapper part pays for the other
+    (AUX_OK, MAIN_COOPERATES, (True, True), {"contributed": ALL, "thin": (1,)},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 1.0, "cooperation": 0.5,
-      "non_wrapper": 0.0, "ignored_aux_result": 0.0}),
+      "non_wrapper": 0.5, "ignored_aux_result": 0.0}),
     # a bare aux(...) statement in a main whose passing tests still depend on aux: the paper's penalty, scaled
     (AUX_OK, MAIN_IGNORES, (True, False), {"contributed": ALL},
      {"aux_structure": 0.4, "main_structure": 0.6, "syntax": 0.5, "tests": 0.5, "cooperation": 0.25,
@@ -363,17 +366,20 @@ def pool():
 
 
 def test_grade_team_code_runs_only_what_needs_running(pool):
-    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11")
+    tests = ("assert entry([1, 2]) == 6", "assert entry([]) == 0", "assert entry([5]) == 11", "assert entry([4]) == 8",
+             "assert entry([1]) == 2")
     grades = grade_team_code(
         aux_completions=[f"```python\n{AUX_OK}```", AUX_OK, "nothing here"],
         main_completions=[MAIN_COOPERATES, "I could not solve it.", "```python\ndef entry(xs)\n    return 0\n```"],
         entry_points=["entry"] * 3, tests=[tests] * 3, pool=pool)
     cooperative, missing, broken = grades
-    assert cooperative.record.passed == 2 and cooperative.record.tests[2].actual == "10"
-    # entry([]) == 0 passes without aux (main's own branch): aux is behind one held test of three.
-    assert cooperative.probe.passed == (0, 1) and cooperative.probe.contributed == (0,)
+    assert cooperative.record.passed == 4 and cooperative.record.tests[2].actual == "10"
+    # entry([]) == 0 passes without aux (main's own branch): aux is behind three held tests of five, each
+    # credited through the others (main answers 8 when aux answers 4, 6 when it answers 3, 2 for 1).
+    assert cooperative.probe.passed == (0, 1, 3, 4) and cooperative.probe.contributed == (0, 3, 4)
     assert not cooperative.probe.thin
-    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 2 / 3 + (0.5 + 1.0) / 3)
+    assert [call.args for call in cooperative.probe.aux_record.tests[0].recorded_calls()] == [([1, 2],)]
+    assert cooperative.reward.total == pytest.approx(0.4 + 0.6 + 0.5 + 4 / 5 + (0.5 + 1.0) * 3 / 5)
     assert missing.record is None and missing.probe is None and missing.reward.total == pytest.approx(0.4)
     assert broken.record is None and broken.reward.total == pytest.approx(0.6)
 
@@ -389,8 +395,9 @@ SORTING_AUX = "def aux(xs):\n    return sorted(xs)\n"
 # (helper, main, reward): the honest teams first, then ways to collect the cooperation bonus without aux
 # doing anything for a passing test, or with main doing nothing beyond aux. Structure and syntax are 1.5.
 COOPERATION_CASES = {
+    # Main's answer is aux's own on [] and [1] (reversing them changes nothing): thin there, 2 tests of 4.
     "aux does the core, main the rest": ("def aux(xs):\n    return sorted(xs, reverse=True)\n",
-                                         "def entry(xs):\n    return aux(xs)[::-1]\n", 4.0),
+                                         "def entry(xs):\n    return aux(xs)[::-1]\n", 3.5),
     "correct, without aux": (SORTING_AUX, "def entry(xs):\n    return sorted(xs)\n", 2.5),
     "aux called under if False": (SORTING_AUX,
                                   "def entry(xs):\n    if False:\n        aux(xs)\n    return sorted(xs)\n", 2.5),
@@ -428,3 +435,96 @@ def test_cooperation_pays_only_for_what_aux_measurably_does(pool):
                              [SORT_TESTS] * len(names), pool)
     assert {name: round(grade.reward.total, 4) for name, grade in zip(names, grades)} \
         == {name: case[2] for name, case in COOPERATION_CASES.items()}
+
+
+# Issue #51: telling the probes from the real run, gating main's own answer on aux's value, dodging the
+# thin-wrapper rule, and more of the kind. Each main below solves the problem itself or forwards aux's
+# answer; the honest baselines are a correct main without aux (2.5) and a thin wrapper (3.0).
+SOLVE = "def _solve(xs):\n    return sorted(xs)\n\n\n"
+ROUND_THREE_CASES = {
+    "finds the stub's names in aux's code": (
+        "def aux(xs):\n    return 1\n",
+        SOLVE + "def entry(xs):\n    if {'object', '_teamrl_perturbed'} & set(aux.__code__.co_names):\n"
+                "        return None\n    _ = aux(xs)\n    return _solve(xs)\n", 2.5),
+    "gates on aux(x) != 1": ("def aux(xs):\n    return 1\n",
+                             SOLVE + "def entry(xs):\n    if aux(xs) != 1:\n        return None\n"
+                                     "    return _solve(xs)\n", 2.5),
+    "gates through {'ok': solve}[aux(x)]": ("def aux(xs):\n    return 'ok'\n",
+                                            SOLVE + "def entry(xs):\n    return {'ok': _solve}[aux(xs)](xs)\n", 2.5),
+    "gates on solve(x) if aux(x)": ("def aux(xs):\n    return True\n",
+                                    SOLVE + "def entry(xs):\n    return _solve(xs) if aux(xs) else None\n", 2.5),
+    "compares aux's result with a record aux kept of itself": (
+        "class _Seen:\n    values = []\n\n\ndef aux(xs):\n    _Seen.values.append(len(xs))\n    return len(xs)\n",
+        SOLVE + "def entry(xs):\n    result = aux(xs)\n    if _Seen.values[-1:] != [result]:\n        return None\n"
+                "    return _solve(xs)\n", 2.5),
+    "aux boxes the answer, main unboxes it": ("def aux(xs):\n    return (sorted(xs),)\n",
+                                             "def entry(xs):\n    return aux(xs)[0]\n", 3.0),
+    "aux answers only when the entry point is on the stack": (
+        "import sys\n\n\ndef aux(xs):\n    frame = sys._getframe(1)\n"
+        "    while frame is not None and frame.f_code.co_name != 'entry':\n        frame = frame.f_back\n"
+        "    return sorted(xs) if frame is not None else None\n",
+        "def entry(xs):\n    result = aux(xs)\n    return None if type(result) is object else result\n", 2.5),
+    "aux hands its arguments back, main solves from them": ("def aux(*args):\n    return args\n",
+                                                            SOLVE + "def entry(xs):\n    return _solve(*aux(xs))\n",
+                                                            2.5),
+    "main passes its own answer through aux": ("def aux(*args):\n    return args[-1]\n",
+                                               SOLVE + "def entry(xs):\n    return aux(xs, _solve(xs))\n", 2.5),
+    "aux calls main's own solver": ("def aux(xs):\n    return [_mine(xs)]\n",
+                                    "def _mine(xs):\n    return sorted(xs)\n\n\n"
+                                    "def entry(xs):\n    return aux(xs)[0]\n", 2.5),
+    "aux returns what main left in a global": (
+        "def aux(xs):\n    return _Answers.values[-1]\n",
+        SOLVE + "class _Answers:\n    values = []\n\n\ndef entry(xs):\n    _Answers.values.append(_solve(xs))\n"
+                "    return aux(xs)\n", 2.5),
+}
+
+
+def test_round_three_attacks_earn_nothing_over_their_baseline(pool):
+    names = list(ROUND_THREE_CASES)
+    grades = grade_team_code([ROUND_THREE_CASES[name][0] for name in names],
+                             [ROUND_THREE_CASES[name][1] for name in names], ["entry"] * len(names),
+                             [SORT_TESTS] * len(names), pool)
+    assert [grade.reward.parts["tests"] for grade in grades] == [1.0] * len(names)
+    assert {name: round(grade.reward.total, 4) for name, grade in zip(names, grades)} \
+        == {name: case[2] for name, case in ROUND_THREE_CASES.items()}
+
+
+EVEN_TESTS = ("assert entry([1]) == False", "assert entry([1, 2]) == True", "assert entry([]) == True",
+              "assert entry([1, 2, 3]) == False", "assert entry([5, 6]) == True")
+
+
+def test_where_the_answer_is_a_bool_a_main_that_flips_its_own_answer_earns_nothing(pool):
+    """aux answers with something main can recompute; main flips its own bool wherever aux disagrees with
+    that: on every swap whose answer is the other bool, it is right. One swap with the same answer (or
+    two answers) catches it, while a main that builds on aux's count passes them all."""
+    flip, honest, alone = grade_team_code(
+        ["def aux(xs):\n    return repr(xs)\n", "def aux(xs):\n    return len(xs)\n", "def aux(xs):\n    return 0\n"],
+        ["def entry(xs):\n    own = len(xs) % 2 == 0\n    return not own if aux(xs) != repr(xs) else own\n",
+         "def entry(xs):\n    return aux(xs) % 2 == 0\n", "def entry(xs):\n    return len(xs) % 2 == 0\n"],
+        ["entry"] * 3, [EVEN_TESTS] * 3, pool)
+    assert [grade.reward.parts["tests"] for grade in (flip, honest, alone)] == [1.0, 1.0, 1.0]
+    assert (flip.reward.total, honest.reward.total, alone.reward.total) == (2.5, 4.0, 2.5)
+
+
+def test_randomness_in_main_earns_no_cooperation(pool):
+    """Main calls aux, ignores what it says, and fails at random (issue #51: its failures used to count as
+    aux's doing). Whatever its tests part, no cooperation part pays."""
+    main = SOLVE + "import random\n\n\ndef entry(xs):\n    aux(xs)\n    if random.random() < 0.5:\n" \
+                   "        raise RuntimeError('unlucky')\n    return _solve(xs)\n"
+    grades = grade_team_code([SORTING_AUX] * 6, [main] * 6, ["entry"] * 6, [SORT_TESTS] * 6, pool)
+    assert any(grade.record.passed for grade in grades)
+    assert all(grade.reward.parts.get("cooperation", 0.0) == 0.0 for grade in grades)
+
+
+@pytest.mark.parametrize(("first", "second", "same"), [
+    (1, 1, True), (1, True, False), (1, 1.0, False), (float("nan"), float("nan"), True), ([1, (2,)], [1, (2,)], True),
+    ([1, (2,)], [1, [2]], False), ({"a": [1]}, {"a": [1]}, True), ({1, 2}, {2, 1}, True), ("1", 1, False)])
+def test_same_value_tells_types_apart(first, second, same):
+    assert same_value(first, second) is same
+
+
+@pytest.mark.parametrize(("aux_answer", "answer", "holds"), [
+    ([3], 3, True), ((3, "x"), 3, True), ({"r": [1, 2]}, [1, 2], True), ("[1, 2]", [1, 2], True), (5, "5", True),
+    ([2, 1], [1, 2], False), (4, 3, False), ([[1]], [1], True), (True, 1, False)])
+def test_holds_answer_finds_main_s_answer_inside_aux_s(aux_answer, answer, holds):
+    assert holds_answer(aux_answer, answer) is holds

@@ -251,3 +251,64 @@ def test_a_sliding_window_model_keeps_the_dynamic_cache_and_samples_what_trainin
     trained = token_logprobs(model, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
     on = gen.completion_mask.bool()
     torch.testing.assert_close(gen.sampling_logprobs[on], trained[on].detach(), atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# compilation: transformers compiles generate() on CUDA when handed a static cache
+# ------------------------------------------------------------------------------------------------
+
+
+def _criteria_as_on_cuda(monkeypatch) -> list[tuple[bool, str]]:
+    """Spy on transformers' auto-compile decision: each generate() call records (what the criteria decide for a
+    model on a CUDA device with the very cache and settings teamrl passed, the calling thread's name), and is
+    told not to compile, so nothing compiles on this CPU."""
+    import threading
+    from types import SimpleNamespace
+
+    from transformers.generation.utils import GenerationMixin
+
+    decide = GenerationMixin._valid_auto_compile_criteria
+    decisions = []
+
+    def spy(self, model_kwargs, generation_config):
+        on_cuda = SimpleNamespace(device=torch.device("cuda"), config=self.config)
+        decisions.append((decide(on_cuda, model_kwargs, generation_config), threading.current_thread().name))
+        return False
+
+    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", spy)
+    # On CUDA the shared-prefix cache (CPU only) is never used: generate() hands transformers a StaticCache.
+    monkeypatch.setattr("teamrl.rollout.generate.shares_prefixes", lambda model, cache=None: False)
+    return decisions
+
+
+def test_generate_asks_transformers_not_to_compile_on_cuda(monkeypatch):
+    decisions = _criteria_as_on_cuda(monkeypatch)
+    agent = make_agent()
+    generate(agent, PROMPTS, 4, seed=0)
+    assert [decision for decision, _ in decisions] == [False]
+    # With G > 1 the cache is a StaticCache, which transformers compiles on CUDA unless asked not to.
+    generate(agent, PROMPTS, 4, seed=0, compile=True)
+    assert [decision for decision, _ in decisions] == [False, True]
+
+
+def test_compiled_generation_runs_the_models_one_after_another(tiny_config, monkeypatch):
+    """A team of several models samples in threads (decentralised execution), but never two compiling at once."""
+    from teamrl.rollout.generate import generate_team
+    from teamrl.train import Trainer
+
+    with Trainer(tiny_config(steps=1)) as trainer:  # training 'full': each agent a model of its own
+        team = trainer.team
+    decisions = _criteria_as_on_cuda(monkeypatch)
+    prompts = team.prompts([["target 9 first"], ["target 9 second"]])
+    generate_team(team, prompts, 2, concurrent=True)
+    assert {thread for _, thread in decisions} != {threading_main()}  # concurrent: in the pool's threads
+    decisions.clear()
+    generate_team(team, prompts, 2, concurrent=True, compile=True)
+    assert [decision for decision, _ in decisions] == [True, True]
+    assert {thread for _, thread in decisions} == {threading_main()}
+
+
+def threading_main() -> str:
+    import threading
+
+    return threading.main_thread().name

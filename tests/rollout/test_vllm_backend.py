@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,7 +308,8 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     assert engine.multiprocessing == "0" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     kwargs = engine.kwargs
     assert kwargs["enable_lora"] and kwargs["max_loras"] == 2 and kwargs["max_lora_rank"] == 8
-    assert kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "float32" and kwargs["gpu_memory_utilization"] == 0.3
+    # rollout.vllm_dtype auto: a float32 team samples in bfloat16 (vLLM in float32: twice the memory, no fast kernels)
+    assert kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "bfloat16" and kwargs["gpu_memory_utilization"] == 0.3
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["max_model_len"] is None
     exported = AutoModelForCausalLM.from_pretrained(kwargs["model"])
     assert not any("lora" in name for name in exported.state_dict())
@@ -339,6 +341,19 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
     assert {a.lora_int_id for a in engine.calls[-1][2]} == {5, 6}
     assert engine.events[-2:] == ["generate", "generate"]
     assert len(fake_vllm) == 1 and not engine.loaded
+
+
+@pytest.mark.parametrize("team_dtype,vllm_dtype,engine", [("float32", "auto", "bfloat16"),
+                                                           ("float16", "auto", "float16"),
+                                                           ("float32", "float32", "float32"),
+                                                           ("bfloat16", "auto", "bfloat16")])
+def test_vllm_runs_in_16_bits_unless_asked_otherwise(tiny_config, fake_vllm, team_dtype, vllm_dtype, engine, caplog):
+    """Also a bfloat16 team trained fully, whose weights are float32 (master weights, teamrl.models.precision)."""
+    trainer = _vllm_trainer(tiny_config, steps=1, team={"dtype": team_dtype}, rollout={"vllm_dtype": vllm_dtype})
+    trainer.agents.sample([["target 9"], ["target 9"]], 2, 0)
+    assert [e.kwargs["dtype"] for e in fake_vllm] == [engine, engine]  # two fully fine-tuned agents: two engines
+    warned = [r.getMessage() for r in caplog.records if "rollout.vllm_dtype" in r.getMessage()]
+    assert bool(warned) == (engine != team_dtype)
 
 
 def test_full_fine_tuning_pushes_weights_into_engines_that_share_the_gpu(tiny_config, fake_vllm):
@@ -435,7 +450,9 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
     pytest.importorskip("vllm", reason="vllm not installed")
     trainer = Trainer(tiny_config(steps=1, team={"model": "bundled", "training": training, "device": "cuda",
                                                  "sampling": {"max_new_tokens": 16}}))
-    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3), workdir=tmp_path)
+    # vLLM in the team's float32, so that the log-probs compare within 0.02 (by default it samples in bfloat16)
+    sampler = VLLMSampler(RolloutConfig(backend="vllm", gpu_memory_utilization=0.3, vllm_dtype="float32"),
+                          workdir=tmp_path)
     prompts = [[agent.prompt(obs[i]) for obs in (trainer.env.observe(it) for it in trainer.items[:2])]
                for i, agent in enumerate(trainer.team)]
 
@@ -457,3 +474,48 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
             for p in agent.parameters:
                 p.add_(torch.randn_like(p) * (0.5 if training == "lora" else 0.01))
     assert mismatch() < 0.02  # the engine serves the changed weights, not the old ones
+
+
+def test_fsdp_ranks_gather_what_rank_zeros_vllm_engine_serves(tiny_config, fake_vllm, tmp_path):
+    """distributed.backend: fsdp with vLLM rollouts, as a group of one in this process: rank 0's engine starts from
+    the gathered base, samples what the unsharded run's engine samples, and after an update gets the adapters as
+    the shards now hold them. (The stand-in's samples hash the weights' bytes, so the two runs' second rollouts,
+    from weights equal within 1e-7, would differ: one step is compared.)"""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    def run(backend: str):
+        trainer = _vllm_trainer(tiny_config, steps=1, items_per_step=2, algorithm={"num_generations": 4},
+                                team={"training": "lora", "onednn_linear": False}, optim={"lr": 1e-3},
+                                distributed={"backend": backend}, run_dir=str(tmp_path / backend),
+                                rollout={"gpu_memory_utilization": 0.3})  # both runs' engines fit the fake GPU
+        with trainer:
+            metrics = trainer.train_step()
+            states = [state.parameters for state in trainer.agents.states()]
+            trainer.agents.sample([["target 9"], ["target 9"]], 2, 0)  # the next rollout pushes the update
+            (engine,) = fake_vllm
+            sampler = trainer.agents.sampler
+            pushed = [load_file(str(Path(sampler._adapters[name].lora_path) / "adapter_model.safetensors"))
+                      for name in trainer.agent_names]
+            base = AutoModelForCausalLM.from_pretrained(engine.kwargs["model"]).state_dict()
+        return metrics, states, pushed, engine, base
+
+    single, single_states, _, single_engine, single_base = run("local")
+    fake_vllm.clear()
+    try:
+        sharded, states, pushed, engine, base = run("fsdp")
+    finally:
+        dist.destroy_process_group()
+    assert engine.kwargs["dtype"] == "bfloat16"
+    assert base.keys() == single_base.keys() and not any("lora" in name for name in base)  # the base, gathered whole
+    assert all(torch.equal(base[k], single_base[k]) for k in base)
+    assert [[a.lora_name for a in call[2]] for call in engine.calls] == \
+        [[a.lora_name for a in call[2]] for call in single_engine.calls]  # every update published, as unsharded
+    assert sharded["reward/mean"] == single["reward/mean"]  # the engines sampled alike
+    assert sharded["loss"] == pytest.approx(single["loss"], abs=1e-5)
+    for mine, one in zip(states, single_states):
+        assert max(float((mine[k] - one[k]).abs().max()) for k in one) < 1e-5
+    for adapter, state, name in zip(pushed, states, ("first", "second")):  # what the shards hold after the update
+        assert {k.replace(f".agent_{name}.", "."): v for k, v in state.items()}.keys() == adapter.keys()
+        assert all(torch.equal(state_value, adapter[k.replace(f".agent_{name}.", ".")])
+                   for k, state_value in state.items())

@@ -53,6 +53,12 @@ def _sandbox_processes() -> list[int]:
 
 
 @pytest.fixture
+def sandbox_processes():
+    """A function listing the pids of processes running as a sandbox user on the host."""
+    return _sandbox_processes
+
+
+@pytest.fixture
 def no_stray_processes(bubblewrap):
     """After the test, no process running as a sandbox uid may be left on the host."""
     yield

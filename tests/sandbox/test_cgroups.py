@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from teamrl.sandbox import Program, SandboxPool
-from teamrl.sandbox.cgroups import Hierarchy, cgroup_directories, memory_cgroups
+from teamrl.sandbox.cgroups import Hierarchy, SandboxCgroup, cgroup_directories, sandbox_cgroups
 
 V1_MOUNTINFO = """\
 28 22 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
@@ -39,7 +39,7 @@ def test_no_memory_controller_means_no_hierarchy():
 
 
 def test_each_sandbox_gets_its_own_cgroup_removed_afterwards(bubblewrap):
-    factory = memory_cgroups()
+    factory = sandbox_cgroups()
     if factory is None:
         pytest.skip("no writable memory cgroup on this machine (the split-limit fallback is tested instead)")
     with SandboxPool(workers=2) as pool:
@@ -53,3 +53,26 @@ def test_each_sandbox_gets_its_own_cgroup_removed_afterwards(bubblewrap):
             break
         time.sleep(0.02)
     assert list(factory.parent.glob("sandbox-*")) == []
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_sandbox_cgroup_caps_memory_and_cpu_and_counts_cpu_time(tmp_path, version):
+    """The files each hierarchy's cgroup gets, on plain directories standing for cgroupfs."""
+    memory, cpu, cpuacct = (tmp_path / name for name in ("memory", "cpu", "cpuacct"))
+    if version == 2:
+        cgroup = SandboxCgroup(2, memory, 1 << 20, cpu_cores=1.5, cpu=memory)
+        assert (memory / "cpu.max").read_text() == "150000 100000" and (memory / "memory.max").read_text() == "1048576"
+        (memory / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\n")
+    else:
+        cgroup = SandboxCgroup(1, memory, 1 << 20, cpu_cores=0.5, cpu=cpu, cpuacct=cpuacct)
+        assert (cpu / "cpu.cfs_quota_us").read_text() == "50000" and (cpu / "cpu.cfs_period_us").read_text() == "100000"
+        (cpuacct / "cpuacct.usage").write_text("2500000000\n")
+    assert cgroup.cpu_capped and cgroup.cpu_seconds() == 2.5
+    joined = cgroup.wrap(["bwrap", "..."])
+    assert joined[-2:] == ["bwrap", "..."] and joined[4] == str(len(cgroup.paths))
+    assert joined[5:5 + len(cgroup.paths)] == [str(path / "cgroup.procs") for path in cgroup.paths]
+
+
+def test_without_a_cpu_controller_nothing_is_capped_or_counted(tmp_path):
+    cgroup = SandboxCgroup(1, tmp_path / "memory", 1 << 20, cpu_cores=1.0)
+    assert not cgroup.cpu_capped and cgroup.cpu_seconds() is None and cgroup.paths == [tmp_path / "memory"]

@@ -497,7 +497,7 @@ def test_forked_children_share_one_memory_cap(bubblewrap):
 def test_without_a_cgroup_the_cap_is_split_over_the_processes(bubblewrap, monkeypatch):
     from teamrl.sandbox import runner
 
-    monkeypatch.setattr(runner, "_memory_cgroups", lambda: None)
+    monkeypatch.setattr(runner, "_sandbox_cgroups", lambda: None)
     limits = SandboxLimits(memory_bytes=1 << 30, total_memory_bytes=1536 << 20, test_timeout_s=8,
                            program_timeout_s=8, cpu_time_s=8)
     with SandboxPool(limits, workers=1) as hog_pool:

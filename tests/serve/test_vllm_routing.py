@@ -19,6 +19,11 @@ from fastapi.responses import JSONResponse  # noqa: E402
 
 STAND_IN_SECONDS = 0.3
 """How long the stand-in takes per request: a team's two requests overlap only when sent concurrently."""
+BASE_GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05}
+"""The sampling of the served folder's generation_config.json (Qwen2.5-3B-Instruct's, and a min_p): what vLLM's
+server samples with where a request leaves a field out (its default_sampling_params, ``--generation-config auto``)."""
+VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 class StandInVLLM:
@@ -31,6 +36,9 @@ class StandInVLLM:
         self.delay = STAND_IN_SECONDS
         self.disconnected = 0
         """Requests whose client (teamrl) closed the connection before the answer: vLLM aborts those."""
+        self.sampled_with: list[dict] = []
+        """Each request's sampling as vLLM applies it: the request's field, else the generation config's, else
+        vLLM's default (top_k -1 and 0 both mean off)."""
 
     def app(self):
         app = FastAPI()
@@ -56,7 +64,13 @@ class StandInVLLM:
                 return invalid(f"top_p must be in (0, 1], got {top_p}.")
             if not isinstance(body.get("stop_token_ids", []), list) or body.get("n", 1) != 1:
                 return invalid("stop_token_ids must be a list and n 1")
+            top_k = body.get("top_k", 0)
+            if not isinstance(top_k, int) or top_k < -1:
+                return invalid(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
             self.received.append(body)
+            applied = {key: body[key] if body.get(key) is not None else BASE_GENERATION_CONFIG.get(key, default)
+                       for key, default in VLLM_DEFAULTS.items()}
+            self.sampled_with.append({**applied, "top_k": max(applied["top_k"], 0)})
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
@@ -244,3 +258,18 @@ def test_when_every_agents_call_fails_each_error_is_read_and_the_first_answers(d
     error, unread = asyncio.run(run())
     assert str(error) == "agent 0 failed"
     assert not unread, f"asyncio reported errors nobody read: {unread}"
+
+
+def test_vllm_samples_each_agent_as_it_was_trained_whatever_the_served_folder_says(digits_served, stand_in,
+                                                                                   live_server):
+    """vLLM fills every sampling field a request leaves out from the base folder's generation_config.json: teamrl
+    sends them all, the ones it never applies (min_p, penalties) at their off values and top_k 0 as -1."""
+    vllm_url, vllm = stand_in
+    url, _ = live_server(digits_served, vllm_url=vllm_url)
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=10, json=_team_request(digits_served))
+    assert response.status_code == 200, response.text
+    by_agent = dict(zip((body["model"] for body in vllm.received), vllm.sampled_with))
+    for agent in digits_served.team:
+        assert agent.sampling.top_k == 0  # the trained sampling: no top-k, no min-p, no penalties
+        assert by_agent[agent.name] == {**VLLM_DEFAULTS, "temperature": agent.sampling.temperature,
+                                        "top_p": agent.sampling.top_p}

@@ -92,7 +92,10 @@ class Algorithm(Protocol):
 
 class TrainsTheAgentsOnly:
     """:meth:`Algorithm.states` and :meth:`Algorithm.load_states` of an algorithm that trains the agents and
-    nothing else: it adds nothing to the checkpoints."""
+    nothing else: it adds nothing to the checkpoints (and ``distributed.backend: fsdp``, which shards the agents,
+    can run it)."""
+
+    trains_only_the_agents = True
 
     def states(self) -> dict[str, AgentState]:
         return {}

@@ -190,7 +190,8 @@ def build_critics(specs: Sequence[tuple[str, str, int]], config: TrainConfig, en
             backbone, tokenizer = bases[spec]
         else:
             backbone, tokenizer = load_base_model(spec, env, seed=config.seed, dtype=getattr(torch, config.team.dtype),
-                                                  device=config.team.device, onednn_linear=config.team.onednn_linear)
+                                                  device=config.team.device, onednn_linear=config.team.onednn_linear,
+                                                  trained_whole=not lora)
         adapter = None
         if lora:
             adapter = name.replace(".", "_")  # PEFT's module names are dotted paths

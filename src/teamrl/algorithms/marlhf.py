@@ -74,7 +74,7 @@ class RewardModel(nn.Module):
         device = "cpu" if config.distributed.backend == "ray" else team.device
         base, tokenizer = load_base_model(config.algorithm.reward_model.model or team.model, env, seed=config.seed,
                                           dtype=getattr(torch, team.dtype), device=device,
-                                          onednn_linear=team.onednn_linear)
+                                          onednn_linear=team.onednn_linear, trained_whole=True)
         model = cls(base.get_decoder(), tokenizer, base.config.hidden_size)
         return model.to(device).requires_grad_(True).eval()  # eval: no dropout, so scoring twice agrees
 

@@ -5,7 +5,9 @@ score, update, hand over and take back their state) and the Trainer reaches the 
   with torch;
 - :class:`~teamrl.backends.vllm.VLLMBackend`: the same, sampled by vLLM on the GPU (``rollout.backend: vllm``);
 - :class:`~teamrl.backends.ray.RayTeam`: each agent in its own Ray actor, on its own CPUs, GPUs or node
-  (``distributed.backend: ray``).
+  (``distributed.backend: ray``);
+- :class:`~teamrl.backends.fsdp.FSDPBackend`: every model sharded across a ``torchrun`` job's processes with FSDP2,
+  for an agent larger than one GPU (``distributed.backend: fsdp``).
 
 :func:`make_backend` picks one from the config. The modules of the optional ones (vLLM, Ray) are imported only
 when picked.
@@ -37,6 +39,13 @@ def make_backend(config: TrainConfig, env: Environment, team: Team | None = None
         from teamrl.backends.ray import RayTeam
 
         return RayTeam(config, env)
+    if config.distributed.backend == "fsdp":
+        if team is not None:
+            raise ValueError("distributed.backend: 'fsdp' builds and shards the team on every rank from the config; "
+                             "pass no team object, or use 'local'")
+        from teamrl.backends.fsdp import FSDPBackend
+
+        return FSDPBackend.from_config(config, env)
     if team is None:
         team = Team.from_config(config.team, env, seed=config.seed, need_reference=config.algorithm.uses_reference)
     if config.rollout.backend == "vllm":

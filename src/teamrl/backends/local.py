@@ -36,7 +36,7 @@ class LocalBackend:
             self.schedulers.append(scheduler)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
-        return sample_team(self.team, observations, num_samples, seed)
+        return sample_team(self.team, observations, num_samples, seed, compile=self.config.rollout.compile)
 
     def logprobs(self, generations: Sequence[Generation], reference: bool = False) -> list[torch.Tensor]:
         return [policy_logprobs(agent, gen, reference) for agent, gen in zip(self.team, generations)]

@@ -87,7 +87,8 @@ class AgentWorker:
     def generate(self, observations: list[str], num_samples: int, seed: int) -> Generation:
         """``num_samples`` completions of each observation, prompted in the agent's role, on the CPU."""
         prompts = [self.agent.prompt(observation) for observation in observations]
-        return _moved(generate(self.agent, prompts, num_samples, seed=seed), "cpu")
+        return _moved(generate(self.agent, prompts, num_samples, seed=seed, compile=self.config.rollout.compile),
+                      "cpu")
 
     def logprobs(self, generation: Generation, reference: bool = False) -> torch.Tensor:
         """The log-probs of ``generation``'s completion tokens under the agent's current policy (or its

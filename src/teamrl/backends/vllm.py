@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from teamrl.backends.local import LocalBackend
@@ -10,6 +11,17 @@ from teamrl.config import TrainConfig
 from teamrl.rollout.generate import Generation
 from teamrl.rollout.vllm_sampler import VLLMSampler
 from teamrl.team import Team
+
+log = logging.getLogger(__name__)
+
+
+def say_engine_dtype(config: TrainConfig) -> None:
+    """Warn, once per run, where ``rollout.vllm_dtype: auto`` samples in another dtype than the team trains in."""
+    engine_dtype = config.rollout.engine_dtype(config.team.dtype)
+    if config.rollout.vllm_dtype == "auto" and engine_dtype != config.team.dtype:
+        log.warning("rollout.vllm_dtype: vLLM samples in %s while the team trains in %s (vLLM in float32 takes "
+                    "twice the memory and runs without its fast attention kernels); set "
+                    "rollout.vllm_dtype=float32 to sample in float32", engine_dtype, config.team.dtype)
 
 
 class VLLMBackend(LocalBackend):
@@ -19,6 +31,7 @@ class VLLMBackend(LocalBackend):
     def __init__(self, team: Team, config: TrainConfig):
         super().__init__(team, config)
         self.sampler = VLLMSampler(config.rollout)
+        say_engine_dtype(config)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return self.sampler.generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)

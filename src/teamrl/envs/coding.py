@@ -28,16 +28,22 @@ imports and helper definitions such as ``poly`` in HumanEval/32, MBPP's ``test_s
 Shown and held tests (:func:`split_tests`): a test whose every call of the entry point appears in the
 problem text is shown already (HumanEval's ``>>>`` examples; the one MBPP assert the problem text
 shows); of the others every third is shown too, and the rest are held. Feedback details only failing
-shown tests (and counts the held ones); every turn's reward, pass@k and accuracy@k come from the held
-tests alone, so hard-coding what a turn's feedback or the problem showed earns nothing the next turn.
+shown tests; every turn's reward, pass@k and accuracy@k come from the held tests alone, so hard-coding
+what a turn's feedback or the problem showed earns nothing the next turn. The held tests stay held:
+they run in sandboxes of their own (no scratch directory, process or time slot shared with the shown
+tests' run, which has ended before any held test starts), feedback is made from the shown tests' run
+alone, and it says nothing of the held tests' results, not even how many passed. A count is an
+oracle: a program that changes one answer a turn and keeps what raises it learns held answers (41 in
+8 turns on HumanEval); even one bit a turn ("all passed") gives the answer of a problem whose one
+held test asks a yes/no question.
 HumanEval: of 1,133 asserts, 516 are shown (298 of them are in the prompts) and 618 held, at least one
 a problem (HumanEval/34's only assert is in its prompt, so it is both). MBPP (3 asserts a problem): the
 first is shown by the problem text, the other two held.
 
 Reward: :func:`teamrl.rewards.code.code_reward` (max 4.0) of the helper's and the main agent's code,
-joined after the item's preamble and run against the item's held tests (then its shown ones, for
-feedback) in a bubblewrap sandbox; where cooperation can pay it is measured by running the passing
-held tests again with ``aux`` replaced (:func:`teamrl.rewards.code.measure_cooperation`). The pool is
+joined after the item's preamble and run against the item's held tests (and, in another sandbox, its
+shown ones, for feedback) in a bubblewrap sandbox; where cooperation can pay it is measured
+(:func:`teamrl.rewards.code.measure_cooperation`: a rerun, aux alone, aux's answers swapped). The pool is
 created on the first grading and reused; :meth:`CodingEnv.joint_rewards` grades a batch concurrently.
 The result's ``parts`` are the reward's parts; when the tests ran, its ``counts`` are ``tests_passed``
 and ``tests_total`` (held tests) and ``shown_tests_passed`` and ``shown_tests_total``. The full grade
@@ -54,8 +60,8 @@ its code is split into the helper's part (every definition but the entry point) 
 Multi-turn (any number of turns): each agent's next observation is its first one, its own previous
 code and feedback on the last joint action: a missing or non-returning function, its syntax error
 (line, column) and undefined names (the preamble's names count as defined, and ``aux`` for the main
-agent), how main uses ``aux``, which shown tests failed with expected and actual values, and how many
-held tests passed. Code too long or too deeply nested to analyse gets a line saying so
+agent), how main uses ``aux``, which shown tests failed with expected and actual values, and that the
+held tests are not shown. Code too long or too deeply nested to analyse gets a line saying so
 (:func:`teamrl.feedback.static.parse_code`), and a producer that still fails on a completion leaves a
 line naming the error (:func:`analysed_feedback`): no completion ends a rollout. With ``critique``
 set, an external model's review over an OpenAI-compatible API is added
@@ -327,28 +333,30 @@ def mbpp_item(record: Mapping[str, Any], origin: str) -> Item:
 # Grading and feedback between turns
 
 
-def tests_feedback(held: ExecutionRecord, shown: ExecutionRecord | None, labels: Sequence[str]) -> str:
-    """The tests' outcome as feedback text: the shown tests in detail, the held ones by count only.
+#: What feedback says of the held tests (module docstring): that they exist, never how they went.
+HELD_TESTS_LINE = "Hidden tests grade the team; nothing of them is shown, not even how many passed."
 
-    When the program failed to load (every held test failed in the ``program`` phase) one line says
+
+def tests_feedback(shown: ExecutionRecord | None, labels: Sequence[str]) -> str:
+    """The shown tests' outcome as feedback text, from their own run alone (module docstring).
+
+    When the program failed to load (every shown test failed in the ``program`` phase) one line says
     why; otherwise :func:`teamrl.feedback.static.format_test_failures` over the shown tests (labelled
-    by ``labels``), with ``error`` (``Type: message``) only for failures that have no expected value,
-    then how many held tests passed. Nothing of a held test (its call, values or error) is shown:
-    they grade the next turn.
+    by ``labels``), with ``error`` (``Type: message``) only for failures that have no expected value.
+    Then :data:`HELD_TESTS_LINE`: nothing of a held test (its call, values, error, nor whether it
+    passed) is shown, since they grade the next turn.
     """
-    outcomes = held.tests
+    outcomes = shown.tests if shown is not None else ()
     if outcomes and all(not o.passed and o.phase == "program" for o in outcomes):
         return (f"The team's code failed to load, so every test failed: "
-                f"{outcomes[0].error_type}: {outcomes[0].message}")
-    lines = []
-    if shown is not None:
-        lines.append("Tests shown to you: " + format_test_failures(
+                f"{outcomes[0].error_type}: {outcomes[0].message}\n{HELD_TESTS_LINE}")
+    shown_line = "No tests are shown for this problem." if not outcomes else "Tests shown to you: " + \
+        format_test_failures(
             [{"test": labels[o.index], "passed": o.passed, "expected": o.expected, "actual": o.actual,
               "error": None if o.passed or o.expected is not None else f"{o.error_type}: {o.message}"}
-             for o in shown.tests],
-            max_failures=MAX_FAILURES_SHOWN, max_value_chars=MAX_VALUE_CHARS))
-    lines.append(f"Hidden tests (they grade the team; not shown): {held.passed} of {held.total} passed.")
-    return "\n".join(lines)
+             for o in outcomes],
+            max_failures=MAX_FAILURES_SHOWN, max_value_chars=MAX_VALUE_CHARS)
+    return f"{shown_line}\n{HELD_TESTS_LINE}"
 
 
 def team_feedback(item: Item, grade: CodeGrade) -> str:
@@ -360,7 +368,7 @@ def team_feedback(item: Item, grade: CodeGrade) -> str:
         # Its line numbers are the joined program's, which neither agent sees: each agent gets its own
         # code's syntax error instead (agent_feedback).
         return "Tests were not run: the team's combined code does not parse."
-    return tests_feedback(grade.record, grade.shown_record, item["shown_test_labels"])
+    return tests_feedback(grade.shown_record, item["shown_test_labels"])
 
 
 def agent_feedback(item: Item, grade: CodeGrade, seat: int, code: ExtractedCode) -> list[str]:

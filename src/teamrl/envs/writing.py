@@ -34,15 +34,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from teamrl import data
-from teamrl.envs.base import Environment, Item, Step, register_env
+from teamrl.envs.base import Environment, Item, Step, register_env, sparse_too_short
 from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import TRANSITION_CATEGORIES
 from teamrl.rewards.writing import (
+    ARXIV_SPEC,
+    TLDR_SPEC,
     WRITING_MAX_REWARD,
+    WritingRewardSpec,
     arxiv_individual_rewards,
     arxiv_reward,
     tldr_individual_rewards,
     tldr_reward,
+    writing_feedback,
 )
 
 #: Marks where :func:`truncate` cut a text.
@@ -87,7 +91,14 @@ def truncate(text: str, max_chars: int | None) -> str:
 
 
 class WritingEnv(Environment):
-    """A single-turn, two-agent writing task over a text; subclasses fix the task (prompts, reward, data).
+    """A two-agent writing task over a text, of one turn or several; subclasses fix the task (prompts, reward,
+    data).
+
+    With ``turns`` > 1 each agent, after a turn, sees its own answer, its teammate's and feedback on them
+    (:func:`~teamrl.rewards.writing.writing_feedback`: the reward's first failed level, in numbers, or what is left
+    to gain) and revises its part. Every turn's joint reward scores the texts the team holds after it (a state
+    reward: an episode's return is the sum over its turns, so a team that gets good early and keeps it earns
+    most); with ``sparse`` only the last turn is scored.
 
     Args:
         source: ``"aclsum"``, ``"hub"``, a local file path or a hub dataset id (see the module docstring).
@@ -105,13 +116,16 @@ class WritingEnv(Environment):
             (int >= 1) or a fraction (float in (0, 1)).
         seed: seed of that hold-out split.
         max_text_chars: cut each text to at most this many characters (None: keep whole texts).
+        turns: the episode's most turns (``algorithm.num_turns`` may play fewer, unless ``sparse``).
+        sparse: score only the last of ``turns`` turns (earlier turns earn 0), for the credit-assignment study of
+            docs/reports; the shaped default scores every turn.
 
     Attributes ``source`` (the resolved source: ``"hub"`` becomes the hub dataset id) and ``layout``
     (the fields and eval split in use) record what was loaded.
     """
 
     num_agents = 2
-    max_turns = 1
+    max_turns = 1  # a task built with env.kwargs.turns plays that many
     max_reward = WRITING_MAX_REWARD
     #: The task's reward, a function of (agent 0's completion, agent 1's completion).
     reward: Callable[[str, str], RewardResult]
@@ -126,6 +140,8 @@ class WritingEnv(Environment):
     text_label: str
     #: Each agent's instruction, placed after the text in its observation (closest to where it writes).
     instructions: tuple[str, str]
+    #: The reward's parameters, which the between-turn feedback reads.
+    spec: WritingRewardSpec
 
     def __init__(
         self,
@@ -141,7 +157,14 @@ class WritingEnv(Environment):
         eval_size: int | float = 0.2,
         seed: int = 0,
         max_text_chars: int | None = None,
+        turns: int = 1,
+        sparse: bool = False,
     ):
+        _check_limit("turns", turns)
+        if sparse and turns < 2:
+            raise ValueError("env.kwargs.sparse: a sparse reward pays the last of several turns; set env.kwargs.turns "
+                             "to 2 or more, or leave sparse out")
+        self.max_turns, self.sparse = turns, sparse
         _check_limit("num_train", num_train)
         _check_limit("num_eval", num_eval)
         _check_limit("max_text_chars", max_text_chars, minimum=len(ELLIPSIS) + 1)
@@ -238,12 +261,33 @@ class WritingEnv(Environment):
         paragraphs = [part for part in paragraphs if part]
         return [paragraphs[0] if paragraphs else "", "\n\n".join(paragraphs[1:])]
 
+    def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
+        """After a turn, each agent's first observation, then its own answer, its teammate's and the feedback on
+        them (:func:`~teamrl.rewards.writing.writing_feedback`), and a request to revise its part."""
+        last = self._pair(history[-1].actions)
+        feedback = writing_feedback(self.spec, *last, self.output_names)
+        return [f"{observation}\n\nYour {self.output_names[seat]}:\n{last[seat]}\n\nYour teammate's "
+                f"{self.output_names[1 - seat]}:\n{last[1 - seat]}\n\nFeedback: {feedback[seat]}\n\nWrite your "
+                f"{self.output_names[seat]} again, improved, and nothing else."
+                for seat, observation in enumerate(self.observe(item))]
+
+    def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
+        super().check_num_turns(num_turns, field)
+        if self.sparse and num_turns < self.max_turns:
+            raise ValueError(sparse_too_short(field, num_turns, self.max_turns, "turns"))
+
     def joint_reward(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> RewardResult:
-        """The task's reward of (agent 0's completion, agent 1's completion), levels in ``parts``."""
+        """The task's reward of (agent 0's completion, agent 1's completion), levels in ``parts``; with
+        ``sparse``, 0 (no parts) before the last turn."""
+        if self.sparse and len(history) + 1 < self.max_turns:
+            return RewardResult(0.0, {})
         return self.reward(*self._pair(actions))
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
-        """Each agent's own reward (:attr:`agent_rewards`): agent i's depends on ``actions[i]`` alone."""
+        """Each agent's own reward (:attr:`agent_rewards`): agent i's depends on ``actions[i]`` alone (with
+        ``sparse``, 0 before the last turn, as the joint reward)."""
+        if self.sparse and len(history) + 1 < self.max_turns:
+            return [0.0] * self.num_agents
         return [result.total for result in self.agent_rewards(*self._pair(actions))]
 
     def _pair(self, actions: Sequence[str]) -> tuple[str, str]:
@@ -286,6 +330,7 @@ class TldrEnv(WritingEnv):
 
     reward = staticmethod(tldr_reward)
     agent_rewards = staticmethod(tldr_individual_rewards)
+    spec = TLDR_SPEC
     hub_dataset = "trl-lib/tldr"
     hub_layout = SourceLayout(text_field="prompt", reference_field="completion", eval_split="test")
     aclsum_layout = SourceLayout(text_field="abstract", id_field="id")
@@ -321,6 +366,7 @@ class ArxivEnv(WritingEnv):
 
     reward = staticmethod(arxiv_reward)
     agent_rewards = staticmethod(arxiv_individual_rewards)
+    spec = ARXIV_SPEC
     hub_dataset = "OpenMLRL/arXiv_abstract"
     hub_layout = SourceLayout(text_field="abstract_text", id_field="article_id", eval_split="val")
     aclsum_layout = SourceLayout(text_field="abstract", id_field="id", reference_field="introduction")

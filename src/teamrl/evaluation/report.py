@@ -108,13 +108,13 @@ def _normalised_returns_by_item(results: EvalResults, result: MethodResult) -> d
 
 
 def versus_rows(results: EvalResults) -> list[list[str]]:
-    """Each saved team against every method that is not a saved team: how much higher its mean normalised return
-    is (each episode's return over the largest of an episode that long: a team's multi-turn episodes and a
-    baseline's one answer on one scale), the standard error of that difference over items
-    (:func:`~teamrl.evaluation.metrics.paired_difference`), and the ratio (above 2: the team is ahead by more
-    than two standard errors). Empty without a team and another method."""
-    teams = [result for result in results.methods if result.method.team_dir is not None]
-    others = [result for result in results.methods if result.method.team_dir is None]
+    """Each saved team against every other method (its roles swapped and one agent in every role too): how much higher
+    its mean normalised return is (each episode's return over the largest of an episode that long: a team's
+    multi-turn episodes and a baseline's one answer on one scale), the standard error of that difference over
+    items (:func:`~teamrl.evaluation.metrics.paired_difference`), and the ratio (above 2: the team is ahead by
+    more than two standard errors). Empty without a team and another method."""
+    teams = [result for result in results.methods if result.method.is_trained_team]
+    others = [result for result in results.methods if not result.method.is_trained_team]
     rows = []
     for team in teams:
         for other in others:

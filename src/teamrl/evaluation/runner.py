@@ -221,7 +221,8 @@ def _program_team(config: TrainConfig, task: ProgramTask, method: Method,
     model, tokenizer = load_base_model(spec, task, seed=config.seed, dtype=getattr(torch, config.team.dtype),
                                        device=config.team.device)
     return Team([Agent(name=name, model=model, tokenizer=tokenizer, sampling=config.team.agent_sampling(0),
-                       use_chat_template=config.team.use_chat_template, base_spec=spec) for name in names])
+                       use_chat_template=config.team.use_chat_template,
+                       enable_thinking=config.team.agent_enable_thinking(0), base_spec=spec) for name in names])
 
 
 def method_turns(method: Method, played: Environment, num_turns: int) -> int:
@@ -257,17 +258,39 @@ def _load_teams(config: TrainConfig, env: Environment, methods: Sequence[Method]
             if team_sampling == "config":
                 for index, agent in enumerate(team):
                     agent.sampling = config.team.agent_sampling(index)
+            if method.seats is not None:
+                team = with_weights_of(team, seat_weights(team, method.seats))
         elif method.model is not None:
             model, tokenizer = load_base_model(method.model, env, seed=config.seed,
                                                dtype=getattr(torch, config.team.dtype), device=config.team.device)
             team = Team([Agent(name="single", model=model, tokenizer=tokenizer, sampling=config.team.agent_sampling(0),
-                               use_chat_template=config.team.use_chat_template, base_spec=method.model)])
+                               use_chat_template=config.team.use_chat_template,
+                               enable_thinking=config.team.agent_enable_thinking(0), base_spec=method.model)])
         else:
             if untrained is None:
                 untrained = Team.from_config(config.team, env, seed=config.seed)
             team = untrained
         teams.append(team)
     return teams
+
+
+def seat_weights(team: Team, seats: str) -> list[int]:
+    """Which trained agent's weights each seat runs for :attr:`~teamrl.evaluation.methods.Method.seats`: the next
+    seat's (``"swapped"``: a cycle, with two agents a swap), or one agent's (its name) in every seat."""
+    names = [agent.name for agent in team]
+    if seats == "swapped":
+        return [(seat + 1) % len(team) for seat in range(len(team))]
+    return [names.index(seats)] * len(team)
+
+
+def with_weights_of(team: Team, sources: Sequence[int]) -> Team:
+    """``team`` with seat i running agent ``sources[i]``'s trained weights (model, adapter, tokenizer) on seat i's
+    own role and sampling settings; an agent is named WEIGHTS@SEAT."""
+    return Team([dataclasses.replace(seat, name=f"{team[source].name}@{seat.name}", model=team[source].model,
+                                     tokenizer=team[source].tokenizer, adapter=team[source].adapter,
+                                     base_spec=team[source].base_spec, parameters=team[source].parameters,
+                                     reference_model=team[source].reference_model)
+                 for seat, source in zip(team, sources)])
 
 
 def _played_env(method: Method, env: Environment) -> Environment:

@@ -41,6 +41,14 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     """transformers' ``sdpa`` attention, with torch's grouped-query kernel where a mask made it copy keys
     and values per query head, and the prompts' keys and values added by :func:`attending_through`
     (see the module docstring)."""
+    if torch.is_autocast_enabled(query.device.type):
+        # Mixed precision (teamrl.models.precision): rotary embeddings leave queries and keys float32 and values
+        # 16-bit, and the in-place kernels below do not autocast; attend in the autocast dtype, as autocast's own
+        # scaled_dot_product_attention would.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        with torch.autocast(query.device.type, enabled=False):
+            return grouped_sdpa_attention(module, query.to(dtype), key.to(dtype), value.to(dtype), attention_mask,
+                                          dropout, scaling, **kwargs)
     shared = getattr(_active, "cache", None)
     if shared is not None:
         return shared.attend(module.layer_idx, query, key, value, scaling)
@@ -145,13 +153,14 @@ class SharedPrefixCache(Cache):
         if query.shape[2] == 1:
             return self._attend_one_position(layer, query, keys, values, scaling), None
         prompts, kv_heads, prompt_length, head_dim = layer.prompt_keys.shape
+        prompt_keys, prompt_values = layer.prompt_keys.to(query.dtype), layer.prompt_values.to(query.dtype)
         rows, heads, num_queries, _ = query.shape
         samples, groups, own = self.rows_per_prompt, heads // kv_heads, keys.shape[2]
         # Each prompt's queries (all its rows, every head of a key/value head) against its keys, once.
         by_prompt = (query.reshape(prompts, samples, kv_heads, groups * num_queries, head_dim).transpose(1, 2)
                      .reshape(prompts, kv_heads, samples * groups * num_queries, head_dim))
-        prompt_out, prompt_lse = _flash_with_lse(by_prompt, layer.prompt_keys, layer.prompt_values,
-                                                 attn_mask=self.prompt_bias, scale=scaling)
+        prompt_out, prompt_lse = _flash_with_lse(by_prompt, prompt_keys, prompt_values,
+                                                 attn_mask=self.prompt_bias.to(query.dtype), scale=scaling)
         prompt_out = (prompt_out.reshape(prompts, kv_heads, samples, groups * num_queries, head_dim).transpose(1, 2)
                       .reshape(rows, kv_heads, groups * num_queries, head_dim))
         prompt_lse = (prompt_lse.reshape(prompts, kv_heads, samples, groups * num_queries).transpose(1, 2)
@@ -180,6 +189,7 @@ class SharedPrefixCache(Cache):
         arithmetic, so this is faster than two kernel calls and their merge (why: see
         docs/reports/step-time.md#attention-without-copies)."""
         prompts, kv_heads, prompt_length, head_dim = layer.prompt_keys.shape
+        prompt_keys, prompt_values = layer.prompt_keys.to(query.dtype), layer.prompt_values.to(query.dtype)
         rows, heads = query.shape[:2]
         samples, groups = self.rows_per_prompt, heads // kv_heads
         scale = head_dim ** -0.5 if scaling is None else scaling
@@ -187,7 +197,8 @@ class SharedPrefixCache(Cache):
                      .reshape(prompts * kv_heads, samples * groups, head_dim))
         bias = self.prompt_bias.expand(prompts, kv_heads, 1, prompt_length)
         bias = bias.reshape(prompts * kv_heads, 1, prompt_length)
-        prompt_scores = torch.baddbmm(bias, by_prompt, layer.prompt_keys.reshape(-1, prompt_length, head_dim).mT,
+        prompt_scores = torch.baddbmm(bias.to(query.dtype), by_prompt,
+                                      prompt_keys.reshape(-1, prompt_length, head_dim).mT,
                                       alpha=scale)
         prompt_scores = (prompt_scores.view(prompts, kv_heads, samples, groups, prompt_length).transpose(1, 2)
                          .reshape(rows * kv_heads, groups, prompt_length))
@@ -198,7 +209,7 @@ class SharedPrefixCache(Cache):
         weights = weights.to(query.dtype)
         prompt_weights = (weights[..., :prompt_length].reshape(prompts, samples, kv_heads, groups, prompt_length)
                           .transpose(1, 2).reshape(prompts * kv_heads, samples * groups, prompt_length))
-        out = (torch.bmm(prompt_weights, layer.prompt_values.reshape(-1, prompt_length, head_dim))
+        out = (torch.bmm(prompt_weights, prompt_values.reshape(-1, prompt_length, head_dim))
                .view(prompts, kv_heads, samples, groups, head_dim).transpose(1, 2)
                .reshape(rows * kv_heads, groups, head_dim))
         out = out.baddbmm_(weights[..., prompt_length:], values.reshape(rows * kv_heads, -1, head_dim))

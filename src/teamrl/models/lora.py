@@ -33,10 +33,13 @@ class RowAdapters:
     adapters disabled and a hook adding it: ``disable_adapter`` checks every layer's status per call).
     Measurements: docs/reports/step-time.md, "Eighth round". Adapters this does not cover (DoRA and other variants,
     non-linear layers) keep PEFT's routing. Built with no model, it routes nothing (the model runs as it is).
+
+    A model sharded by FSDP (:mod:`teamrl.backends.fsdp`) holds each layer's adapters in full only inside the
+    layer's forward pass: its stacks are built there, at every call (``layers`` then hold no weights).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, names: Sequence[str] = (),
-                 layers: Sequence[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = ()):
+                 layers: Sequence[tuple[torch.nn.Module, torch.Tensor | None, torch.Tensor | None]] = ()):
         self.model, self.names, self.layers = model, list(names), list(layers)
         #: Every layer's adapters have one rank, so a layer's stacked weights split into equal blocks.
         self.uniform_rank = all(len({module.lora_A[n].weight.shape[0] for n in self.names}) == 1
@@ -49,10 +52,9 @@ class RowAdapters:
         modules = plain_lora_layers(model, names)
         if modules is None:
             return cls(model)  # not a plain LoRA linear layer: PEFT routes every layer
-        layers = [(module, torch.cat([module.lora_A[n].weight for n in names]),
-                   torch.cat([module.lora_B[n].weight * module.scaling[n] for n in names], dim=1))
-                  for module in modules]
-        return cls(model, names, layers)
+        if any(_sharded(module.lora_A[n].weight) for module in modules for n in names):
+            return cls(model, names, [(module, None, None) for module in modules])
+        return cls(model, names, [(module, *_stacked(module, names)) for module in modules])
 
     @contextlib.contextmanager
     def route(self, row_names: Sequence[str] | None) -> Iterator[dict]:
@@ -68,16 +70,18 @@ class RowAdapters:
         count = len(self.names)
         if blocks is not None and self.uniform_rank:
             index = torch.tensor([self.names.index(n) for n in blocks])
-            forwards = [functools.partial(  # (adapters, in, r) and (adapters, r, out) views of the stacked weights
-                _grouped_forward, module, a.view(count, -1, a.shape[1]).transpose(1, 2)[index],
-                b.view(b.shape[0], count, -1).permute(1, 2, 0)[index]) for module, a, b in self.layers]
+            forwards = [functools.partial(_grouped_forward, module, *_blocks(a, b, count, index))
+                        if a is not None else functools.partial(_sharded_grouped_forward, module, self.names, index)
+                        for module, a, b in self.layers]
         else:
-            first_layer, stacked_a, _ = self.layers[0]
+            first_layer = self.layers[0][0]
             ranks = [first_layer.lora_A[n].weight.shape[0] for n in self.names]
             rank_block = torch.repeat_interleave(torch.arange(count), torch.tensor(ranks))
             row_block = torch.tensor([self.names.index(n) for n in row_names])
-            mask = (row_block[:, None] == rank_block[None, :]).to(stacked_a)[:, None, :]
-            forwards = [functools.partial(_masked_forward, module, a, b, mask) for module, a, b in self.layers]
+            mask = (row_block[:, None] == rank_block[None, :])[:, None, :]
+            forwards = [functools.partial(_masked_forward, module, a, b, mask.to(a)) if a is not None
+                        else functools.partial(_sharded_masked_forward, module, self.names, mask)
+                        for module, a, b in self.layers]
         for (module, _, _), forward in zip(self.layers, forwards):
             module.forward = forward
         try:
@@ -85,6 +89,37 @@ class RowAdapters:
         finally:
             for module, _, _ in self.layers:
                 del module.forward
+
+
+def _stacked(module: torch.nn.Module, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's adapters ``names`` stacked: A matrices one above the other, scaled B matrices side by side."""
+    return (torch.cat([module.lora_A[n].weight for n in names]),
+            torch.cat([module.lora_B[n].weight * module.scaling[n] for n in names], dim=1))
+
+
+def _blocks(stacked_a: torch.Tensor, stacked_b: torch.Tensor, count: int,
+            index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, in, r) and (blocks, r, out) views of the stacked weights, block k through adapter ``index[k]``."""
+    return (stacked_a.view(count, -1, stacked_a.shape[1]).transpose(1, 2)[index],
+            stacked_b.view(stacked_b.shape[0], count, -1).permute(1, 2, 0)[index])
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a shard (a DTensor, as FSDP2 keeps parameters between forward passes)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
+
+
+def _sharded_grouped_forward(layer: torch.nn.Module, names: Sequence[str], index: torch.Tensor, x: torch.Tensor,
+                             *args, **kwargs) -> torch.Tensor:
+    return _grouped_forward(layer, *_blocks(*_stacked(layer, names), len(names), index), x, *args, **kwargs)
+
+
+def _sharded_masked_forward(layer: torch.nn.Module, names: Sequence[str], mask: torch.Tensor, x: torch.Tensor,
+                            *args, **kwargs) -> torch.Tensor:
+    stacked_a, stacked_b = _stacked(layer, names)
+    return _masked_forward(layer, stacked_a, stacked_b, mask.to(stacked_a), x, *args, **kwargs)
 
 
 def _masked_forward(layer: torch.nn.Module, stacked_a: torch.Tensor, stacked_b: torch.Tensor, mask: torch.Tensor,

@@ -196,6 +196,52 @@ def individual_writing_reward(spec: WritingRewardSpec, seat: int, completion: st
     return RewardResult(total=sum(parts.values()), parts=parts)
 
 
+def writing_feedback(spec: WritingRewardSpec, c1: str, c2: str, names: tuple[str, str]) -> tuple[str, str]:
+    """What each agent is told after a turn of a writing task (its next observation, in a multi-turn episode): the
+    reward's first level the pair fails, said in numbers and for what this agent's part can do about it, or what
+    is left to gain at level 4; ``names`` are the two parts' names ("one-sentence summary", "detailed summary").
+
+    Each line reads the reward's own quantities (word counts, length and distinct-word ratios, transition
+    categories, shared content words), so a team that follows it raises its reward; nothing tells it the reward's
+    formula beyond what a reviewer would say.
+    """
+    low, high = spec.token_bounds
+    counts = (token_count(c1), token_count(c2))
+    lengths = [f"Your {names[seat]} has {n} words; it needs {low} to {high}." if not low <= n <= high else
+               f"Your {names[seat]}'s length ({n} words) is fine; the {names[1 - seat]} is not." for seat, n in
+               enumerate(counts)]
+    if not all(low <= n <= high for n in counts):
+        return lengths[0], lengths[1]
+    rho, band = char_length_ratio(c1, c2), spec.ratio_band
+    if not band.full_low <= rho <= band.full_high:
+        wanted = f"it should be {band.full_low:g} to {band.full_high:g} times as long"
+        said = f"The {names[1]} is {rho:.1f} times as long as the {names[0]}; {wanted}."
+        if rho < band.full_low:
+            return f"{said} Make yours shorter.", f"{said} Write more."
+        return f"{said} Write a little more.", f"{said} Make yours shorter."
+    u, band = unique_word_ratio(c1, c2), spec.unique_words_band
+    if not band.full_low <= u <= band.full_high:
+        said = (f"The {names[1]} uses {u:.1f} times as many different words as the {names[0]}; it should use "
+                f"{band.full_low:g} to {band.full_high:g} times as many" if math.isfinite(band.full_high) else
+                f"The {names[1]} uses {u:.1f} times as many different words as the {names[0]}; it should use at "
+                f"least {band.full_low:g} times as many")
+        return (f"{said}. Use fewer, plainer words." if u < band.full_low else f"{said}. Use more varied words.",
+                f"{said}. Use more varied words." if u < band.full_low else f"{said}. Repeat key terms more.")
+    hints: tuple[list[str], list[str]] = ([], [])
+    categories = transition_categories(c2) | (transition_categories(c1) if spec.transitions_over_both else frozenset())
+    if transition_score(len(categories)) < 1.0:
+        for seat in (0, 1) if spec.transitions_over_both else (1,):  # where level 4 looks for transitions
+            hints[seat].append(f"link ideas with more kinds of transition words such as first, because, however, "
+                               f"for example, as a result, finally ({len(categories)} kinds so far)")
+    if jaccard_score(content_jaccard(c1, c2), spec.jaccard_cap) < 1.0:
+        for seat in (0, 1):
+            hints[seat].append("use more of the same key words as your teammate's part")
+    if not hints[0] and not hints[1]:
+        return ("Both parts meet every criterion; keep them as they are.",) * 2
+    return tuple(f"The lengths and wording fit. To improve, {' and '.join(mine)}." if mine else
+                 "Your part fits; keep it as it is." for mine in hints)  # type: ignore[return-value]
+
+
 def tldr_reward(summary: str, detailed: str) -> RewardResult:
     """TLDR joint reward (max 3.0) of the concise ``summary`` (c1) and the ``detailed`` one (c2).
 

@@ -127,7 +127,8 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: torch
 
 @torch.no_grad()
 def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: list[str] | None = None, *,
-             seed: int | None = None, should_stop: Callable[[], bool] | None = None) -> Generation:
+             seed: int | None = None, should_stop: Callable[[], bool] | None = None,
+             compile: bool = False) -> Generation:
     """Sample ``num_samples`` completions for every prompt in one batched ``generate`` call.
 
     ``adapter_names`` (one per prompt) runs several LoRA agents that share ``agent``'s base in the
@@ -135,6 +136,12 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
     supplies the tokenizer and sampling settings. ``seed``: sample from a stream of its own (see
     :func:`seeded`) instead of torch's global one. ``should_stop``: asked after every decoding step; True ends
     the call there (the server's way to drop work nobody waits for any more), every row as it stands.
+
+    ``compile``: let transformers compile the decoding step. With a static cache (what this hands it for
+    ``num_samples`` > 1 on a GPU) transformers wraps the model's forward in ``torch.compile`` on CUDA by itself,
+    which costs minutes on the first call and recompiles as batch and prompt shapes change; so by default this
+    asks for no compilation (``disable_compile``), on every device alike (``rollout.compile``,
+    docs/performance.md#compiling-the-decoding-step).
     """
     tokenizer = agent.tokenizer
     device = next(agent.model.parameters()).device
@@ -164,6 +171,7 @@ def generate(agent: Agent, prompts: list[str], num_samples: int, adapter_names: 
                 eos_token_id=agent.eos_token_ids,
                 logits_processor=LogitsProcessorList([sampler]),
                 stopping_criteria=StoppingCriteriaList([] if should_stop is None else [_StopWhen(should_stop)]),
+                disable_compile=not compile,
             )
     completion_ids = out[:, prompt_ids.shape[1]:]
     mask = completion_mask(completion_ids, agent.eos_token_ids)
@@ -224,9 +232,9 @@ def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, rows
         parts.append((index, _prompt_pass(model, rest_ids, rest_mask, rows, routed, stem), stem))
     layers = []
     for layer in range(len(parts[0][1].layers)):
-        first = parts[0][1].layers[layer].keys
-        keys = first.new_empty(ids.shape[0], first.shape[1], ids.shape[1], first.shape[3])
-        values = torch.empty_like(keys)
+        first = parts[0][1].layers[layer]  # keys and values each in its own dtype (they differ under autocast)
+        keys = first.keys.new_empty(ids.shape[0], first.keys.shape[1], ids.shape[1], first.keys.shape[3])
+        values = first.values.new_empty(ids.shape[0], first.values.shape[1], ids.shape[1], first.values.shape[3])
         for index, part, stem in parts:
             own_keys, own_values = part.layers[layer].keys, part.layers[layer].values
             if stem is not None:
@@ -286,7 +294,7 @@ def _repeated_preallocated(cache: Cache, repeats: int, config, max_length: int) 
 
 def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
                   concurrent: bool = False, seed: int | None = None,
-                  should_stop: Callable[[], bool] | None = None) -> list[Generation]:
+                  should_stop: Callable[[], bool] | None = None, compile: bool = False) -> list[Generation]:
     """Every agent's completions of its own prompts (``prompts[i]`` for agent i), in agent order.
 
     Agents that share one LoRA base and the same sampling settings run in ONE mixed-adapter ``generate``
@@ -297,8 +305,10 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
 
     ``seed``: the call whose first agent is i samples under ``derive_seed(seed, i)`` — the seed a Ray agent
     actor gets for agent i (:mod:`teamrl.backends.ray`), so both sample the same tokens for the same team
-    layout. Threads would share torch's one global RNG, hence not with ``concurrent``. ``should_stop``: see
-    :func:`generate`.
+    layout. Threads would share torch's one global RNG, hence not with ``concurrent``. ``should_stop`` and
+    ``compile``: see :func:`generate`; with ``compile`` the models run one after another even when
+    ``concurrent`` (two threads compiling at once would each wait on, and may break, torch.compile's one
+    process-wide state).
     """
     groups: dict[int, list[int]] = {}
     for i, agent in enumerate(team):
@@ -314,12 +324,12 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         shared_batch = len(agents) > 1 and all(a.adapter is not None for a in agents) and \
             all(a.sampling == agents[0].sampling for a in agents)
         if not shared_batch:
-            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i), should_stop=should_stop)
-                    for i in indices}
+            return {i: generate(team[i], prompts[i], num_samples, seed=seed_of(i), should_stop=should_stop,
+                                compile=compile) for i in indices}
         rows = [p for i in indices for p in prompts[i]]
         names = [team[i].adapter for i in indices for _ in prompts[i]]
         merged = generate(agents[0], rows, num_samples, adapter_names=names, seed=seed_of(indices[0]),
-                          should_stop=should_stop)
+                          should_stop=should_stop, compile=compile)
         out, start = {}, 0
         for i in indices:
             stop = start + len(prompts[i]) * num_samples
@@ -328,7 +338,7 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
         return out
 
     results: dict[int, Generation] = {}
-    if concurrent and len(groups) > 1:
+    if concurrent and len(groups) > 1 and not compile:
         with ThreadPoolExecutor(max_workers=len(groups)) as pool:
             for part in pool.map(run_group, groups.values()):
                 results.update(part)
@@ -338,12 +348,14 @@ def generate_team(team: Team, prompts: Sequence[list[str]], num_samples: int, *,
     return [results[i] for i in range(len(team))]
 
 
-def sample_team(team: Team, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
+def sample_team(team: Team, observations: Sequence[list[str]], num_samples: int, seed: int, *,
+                compile: bool = False) -> list[Generation]:
     """For every agent i of ``team``, ``num_samples`` completions of each of its own observations
     ``observations[i]``, prompted in its role, the tokens fixed by ``seed``: the team's
     :data:`~teamrl.rollout.tree.SampleFn` in this process (``functools.partial(sample_team, team)``), and the local
-    backend's :meth:`~teamrl.algorithms.base.AgentBackend.sample`."""
-    return generate_team(team, team.prompts(observations), num_samples, seed=seed)
+    backend's :meth:`~teamrl.algorithms.base.AgentBackend.sample` (``compile``: ``rollout.compile``, see
+    :func:`generate`)."""
+    return generate_team(team, team.prompts(observations), num_samples, seed=seed, compile=compile)
 
 
 class _StopWhen(StoppingCriteria):

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,8 +51,11 @@ from typing import Any, Protocol
 import torch
 
 from teamrl.config import ConfigError, RolloutConfig, SamplingConfig, vllm_sleep_mode_rule
+from teamrl.models.precision import compute_dtype
 from teamrl.rollout.generate import Generation, completion_mask, decode_completions, derive_seed, encode_prompts, seeded
 from teamrl.team import Agent, Team
+
+log = logging.getLogger(__name__)
 
 #: The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig``, 0.10.2 to 0.33; 0.33 also takes 1).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -117,20 +121,22 @@ def generation_from_outputs(
     )
 
 
-def export_model(agent: Agent, directory: str | Path) -> Path:
+def export_model(agent: Agent, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the weights vLLM should serve for ``agent`` as a transformers directory.
 
     For a LoRA agent: its frozen base, without any adapter (PEFT's wrapped layers are saved under their
-    original names). For a fully fine-tuned agent: its model as it is now.
+    original names). For a fully fine-tuned agent: its model as it is now. ``state_dict``: the agent's model's
+    weights, where the model's own are not whole (sharded by FSDP; for a LoRA agent, its PeftModel's).
     """
     directory = Path(directory)
-    state = None
+    state = state_dict
     model = agent.model
     if agent.adapter is not None:
         model = agent.model.get_base_model()
         # PEFT keeps the wrapped linear's own weight at `<module>.base_layer.weight`, next to its adapters.
-        state = {name.replace(".base_layer.", "."): tensor for name, tensor in model.state_dict().items()
-                 if "lora_" not in name}
+        weights = (model.state_dict() if state_dict is None else
+                   {name.removeprefix("base_model.model."): tensor for name, tensor in state_dict.items()})
+        state = {name.replace(".base_layer.", "."): tensor for name, tensor in weights.items() if "lora_" not in name}
     model.save_pretrained(str(directory), state_dict=state)
     return directory
 
@@ -236,11 +242,15 @@ class VLLMSampler:
         self._lora_ids = itertools.count(1)
 
     def generate_team(self, team: Team, prompts: Sequence[list[str]], num_samples: int, *,
-                      seed: int | None = None) -> list[Generation]:
+                      seed: int | None = None,
+                      state_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
+                      ) -> list[Generation]:
         """Every agent's ``num_samples`` completions of its prompts (``prompts[i]`` for agent i), in agent order.
 
         Agents that share a model (LoRA on one base) are sampled in one ``generate`` call of its engine.
-        Each request's vLLM seed is drawn from torch's RNG, seeded with ``seed`` when given.
+        Each request's vLLM seed is drawn from torch's RNG, seeded with ``seed`` when given. ``state_of(model)``:
+        the whole weights of an agent's model, where its own are sharded (FSDP gathers them on every rank
+        before rank 0 samples): what an engine starts from and what a push sends.
         """
         groups: dict[int, list[int]] = {}
         for i, agent in enumerate(team):
@@ -252,11 +262,12 @@ class VLLMSampler:
         results: dict[int, Generation] = {}
         for key, indices in groups.items():
             agents = [team[i] for i in indices]
-            engine = self._engine(key, agents, memory_share)
+            state = None if state_of is None else state_of(agents[0].model)
+            engine = self._engine(key, agents, memory_share, state)
             if engine.asleep:
                 engine.llm.wake_up()
                 engine.asleep = False
-            self._sync(engine, agents)
+            self._sync(engine, agents, state)
             encoded = [encode_prompts(agent, prompts[i]) for i, agent in zip(indices, agents)]
             requests, params, adapters = [], [], []
             with seeded(None if seed is None else derive_seed(seed, indices[0])):
@@ -281,16 +292,19 @@ class VLLMSampler:
         return [results[i] for i in range(len(team))]
 
     # ----------------------------------------------------------------------------------------------
-    def _engine(self, key: int, agents: list[Agent], memory_share: float) -> _Engine:
-        """The engine serving ``agents``' shared model, started on first use with ``memory_share`` of the GPU."""
+    def _engine(self, key: int, agents: list[Agent], memory_share: float,
+                state: dict[str, torch.Tensor] | None = None) -> _Engine:
+        """The engine serving ``agents``' shared model, started on first use with ``memory_share`` of the GPU
+        (from ``state``, the model's whole weights, where given)."""
         if key in self._engines:
             return self._engines[key]
         first = agents[0]
         lora_rank = None
         if first.adapter is not None:
             lora_rank = max(agent.model.peft_config[agent.adapter].r for agent in agents)
+        dtype = getattr(torch, self.config.engine_dtype(str(compute_dtype(first.model)).removeprefix("torch.")))
         kwargs = engine_kwargs(
-            export_model(first, self.root / f"model-{len(self._engines)}"), next(first.model.parameters()).dtype,
+            export_model(first, self.root / f"model-{len(self._engines)}", state), dtype,
             gpu_memory_utilization=memory_share, max_model_len=self.config.max_model_len,
             sleep_mode=self.config.sleep_between_rollouts, lora_rank=lora_rank, num_adapters=len(agents))
         with _in_process_engine():
@@ -300,19 +314,19 @@ class VLLMSampler:
         self._engines[key] = engine
         return engine
 
-    def _sync(self, engine: _Engine, agents: list[Agent]) -> None:
-        """Push the weights of every agent in ``agents`` that changed since its last push, then reset the engine's
-        prefix cache if anything was pushed."""
+    def _sync(self, engine: _Engine, agents: list[Agent], state: dict[str, torch.Tensor] | None = None) -> None:
+        """Push the weights of every agent in ``agents`` that changed since its last push (read from ``state``, their
+        model's whole weights, where given), then reset the engine's prefix cache if anything was pushed."""
         pushed = False
         for agent in agents:
             version = weights_version(agent)
             if self._pushed.get(agent.name) == version:
                 continue
             if agent.adapter is not None:
-                self._adapters[agent.name] = self._publish_adapter(agent)
+                self._adapters[agent.name] = self._publish_adapter(agent, state)
             else:
-                state = agent.model.state_dict()
-                engine.llm.apply_model(lambda model, state=state: model.load_weights(weights=state.items()))
+                weights = agent.model.state_dict() if state is None else state
+                engine.llm.apply_model(lambda model, weights=weights: model.load_weights(weights=weights.items()))
             self._pushed[agent.name] = version
             pushed = True
         if pushed:
@@ -323,13 +337,14 @@ class VLLMSampler:
             if engine.llm.reset_prefix_cache() is False:
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight push (blocks in use)")
 
-    def _publish_adapter(self, agent: Agent) -> Any:
-        """Write ``agent``'s adapter to a fresh directory and return the ``LoRARequest`` that serves it."""
+    def _publish_adapter(self, agent: Agent, state: dict[str, torch.Tensor] | None = None) -> Any:
+        """Write ``agent``'s adapter (from ``state``, its model's whole weights, where given) to a fresh directory
+        and return the ``LoRARequest`` that serves it."""
         from vllm.lora.request import LoRARequest
 
         lora_id = next(self._lora_ids)
         name = f"{agent.name}-v{lora_id}"
-        path = agent.save_adapter(self.root / name)
+        path = agent.save_adapter(self.root / name, state)
         previous = self._adapters.get(agent.name)
         if previous is not None:
             shutil.rmtree(previous.lora_path, ignore_errors=True)  # its id is never requested again

@@ -1,8 +1,10 @@
 """The trusted test driver that runs *inside* the sandbox (stdlib only; the trainer never runs it).
 
 The host starts it as ``python -I -S -c <this file's source> RESULT_FD UID GID SANDBOXED`` and writes
-one JSON payload ``{"code", "setup", "tests", "modules", "limits", "sys_path"}`` to its stdin
-(``modules[i]``: the standard modules test ``i`` reads attributes of). Protocol on
+one JSON payload ``{"code", "setup", "tests", "modules", "limits", "sys_path", "relay", "record"}`` to
+its stdin (``modules[i]``: the standard modules test ``i`` reads attributes of; a test is a snippet,
+or a *direct call* ``{"call": NAME, "args": [...], "kwargs": [[NAME, VALUE], ...], "relay": [VALUE, ...]}``
+of one of the program's functions, values as :func:`encode` writes them). Protocol on
 RESULT_FD (a pipe only this process holds; one JSON object per line):
 
     {"ready": true}                      privileges dropped, payload read, before any model code runs
@@ -25,6 +27,19 @@ holds a test:
   the judge as fresh built-in objects. Anything else comes back as an opaque handle, which equals only
   itself, has no truth value and can only be passed back to the program. The judge compares; it alone
   writes the outcome, on a pipe the program never holds.
+
+Two things the cooperation measure of the coding reward needs (``teamrl.rewards.code``), both decided
+by the judge alone:
+
+* **Recorded calls** (``record``: a function's name): every call a test makes of that function is
+  reported with the outcome, as the judge sent its arguments and decoded its result (``calls``).
+* **A relayed function** (``relay``: a function's name): once the program is loaded, the program
+  process replaces that global by a relay that tells the judge, at each call, the call's arguments
+  and asks what to do: run the function (every snippet test, and a direct call without ``relay``), or
+  return the next of the values a direct call's ``relay`` lists, without running it (a call beyond
+  them raises). The relay is the same code in every run; only the judge's answer differs. The
+  arguments the relay reported are listed with the outcome (``relayed``): the program's word for how
+  it called the function, which it chooses anyway by calling it.
 
 A program can therefore only influence its outcome by what its functions return (or raise). The
 program process's own side of the protocol (the code that loads the program, answers the judge's
@@ -59,10 +74,13 @@ _PRELOADABLE = {"typing", "math", "collections", "itertools", "functools", "heap
                 "hashlib", "operator", "fractions", "decimal", "statistics", "re", "random", "copy"}
 _IMPORTED = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)", re.MULTILINE)
 _OUTCOME_KEYS = {"passed": bool, "error_type": str, "message": str, "expected": str, "actual": str,
-                 "phase": str, "limit": str, "line": int, "program_ended": bool, "opaque_results": list}
-#: How many opaque results (their type names) a test's outcome lists.
-_MAX_OPAQUE_RESULTS = 8
+                 "phase": str, "limit": str, "line": int, "program_ended": bool, "calls": list,
+                 "relayed": list}
 _MAX_OUTCOME_BYTES = 1 << 16
+#: Most bytes of recorded calls a test's outcome carries; beyond, the record says only that it was cut.
+_MAX_RECORD_BYTES = 1 << 14
+#: Most calls of the recorded function a test's outcome lists.
+_MAX_RECORDED_CALLS = 16
 #: Largest message between a judge and its program process (one call's arguments or result).
 _MAX_FRAME_BYTES = 16 << 20
 #: Program globals sent to the judge as plain data only up to this size (larger ones become handles).
@@ -268,14 +286,27 @@ class RemoteObject:
         return hash(("teamrl-remote", self._id))
 
 
+#: The judge's answers to a relayed function's call (``{"relay": {"args", "kwargs"}}``, see the module
+#: docstring): run it, return a value, or raise (no value left).
+_RUN = {"run": True}
+_NONE_LEFT = {"none_left": True}
+#: Most relayed calls a test's outcome lists; beyond, the list says only that it was cut.
+_MAX_RELAYED_CALLS = 64
+
+
 class _Channel:
     """The judge's end of the pipes to its program process (which alone holds their other ends, so a
-    program process that ends is seen as the end of its reply pipe)."""
+    program process that ends is seen as the end of its reply pipe).
 
-    def __init__(self, request_fd, reply_fd, limit):
+    ``relay_values`` is how the judge answers a relayed function's calls: None where the program has
+    none (then such a question is a protocol error), ``_RUN`` (run it), or a list of values to return
+    in turn. ``relayed`` lists the calls' arguments as the program reported them."""
+
+    def __init__(self, request_fd, reply_fd, limit, relay_values=None):
         self.request_fd, self.reply_fd, self.limit = request_fd, reply_fd, limit
+        self.relay_values = relay_values
+        self.relayed = []
         self.sequence = 0
-        self.opaque_results = []  # type names of the non-plain objects calls into the program returned
 
     def _reference(self, value):
         if isinstance(value, RemoteObject):
@@ -303,14 +334,32 @@ class _Channel:
     def exchange(self, message):
         self.sequence += 1
         message["seq"] = self.sequence
+        self._send(message)
+        reply = _read_frame(self.reply_fd)
+        # While the program answers, a relayed function it calls asks what to do, as often as it calls it.
+        while isinstance(reply, dict) and set(reply) == {"relay"} and self.relay_values is not None:
+            self._send(self._relay_answer(reply["relay"]))
+            reply = _read_frame(self.reply_fd)
+        if not isinstance(reply, dict) or reply.get("seq") != self.sequence:
+            raise ProtocolError("a reply out of sequence")
+        return reply
+
+    def _relay_answer(self, call):
+        count = len(self.relayed)
+        if count < _MAX_RELAYED_CALLS:
+            recorded = isinstance(call, dict) and set(call) == {"args", "kwargs"}
+            self.relayed.append(call if recorded else {"unrecordable": True})
+        elif count == _MAX_RELAYED_CALLS:
+            self.relayed.append({"unrecordable": True})
+        if self.relay_values is _RUN:
+            return _RUN
+        return {"value": self.relay_values[count]} if count < len(self.relay_values) else _NONE_LEFT
+
+    def _send(self, message):
         try:
             _send_frame(self.request_fd, message)
         except BrokenPipeError:
             raise ProgramEnded() from None
-        reply = _read_frame(self.reply_fd)
-        if not isinstance(reply, dict) or reply.get("seq") != self.sequence:
-            raise ProtocolError("a reply out of sequence")
-        return reply
 
     def names(self):
         """The program's global names a test may use: its functions and classes (as proxies), its
@@ -347,10 +396,7 @@ class _Channel:
             message[key] = value
         reply = self.exchange(message)
         if "value" in reply:
-            value = decode(reply["value"], self._handle)
-            if isinstance(value, RemoteObject) and len(self.opaque_results) < _MAX_OPAQUE_RESULTS:
-                self.opaque_results.append(value._type)
-            return value
+            return decode(reply["value"], self._handle)
         if isinstance(reply.get("error"), dict):
             raise _program_exception(_error_report(reply["error"], self.limit))
         raise ProtocolError("a reply with neither value nor error")
@@ -430,15 +476,66 @@ def _classify(error_type, errno):
     return None
 
 
-def judge(test, setup, modules, channel, limit):
+class _Unrecordable(Exception):
+    """A value of a recorded call that is not plain data."""
+
+
+def _refuse(value):
+    raise _Unrecordable()
+
+
+def _recorded(args, kwargs, result=None, raised=False):
+    """One call as an outcome lists it: its arguments and result as :func:`encode` writes them."""
+    try:
+        call = {"args": encode(list(args), _refuse), "kwargs": encode(dict(kwargs), _refuse)}
+        if raised:
+            call["raised"] = True
+        else:
+            call["result"] = encode(result, _refuse)
+        return call
+    except (_Unrecordable, RecursionError):
+        return {"unrecordable": True}
+
+
+class _Recorder:
+    """Stands for the program's recorded function in a test: calls it and notes each call."""
+
+    __slots__ = ("_function", "calls")
+
+    def __init__(self, function):
+        self._function, self.calls = function, []
+
+    def __call__(self, *args, **kwargs):
+        try:
+            result = self._function(*args, **kwargs)
+        except BaseException:
+            self.calls.append(_recorded(args, kwargs, raised=True))
+            raise
+        self.calls.append(_recorded(args, kwargs, result))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._function, name)
+
+
+def _bounded(calls):
+    """The recorded calls, or one entry saying they were too many or too large to report."""
+    if len(calls) > _MAX_RECORDED_CALLS or len(json.dumps(calls)) > _MAX_RECORD_BYTES:
+        return [{"unrecordable": True}]
+    return calls
+
+
+def judge(test, setup, modules, channel, limit, record=None):
     """Run one test's trusted code against proxies of the program; return the outcome dict.
 
     ``modules``: the standard modules the test reads attributes of (``math`` of ``math.isclose``); they
     are the judge's own, whatever the program bound to their names (a class named ``math`` whose
-    ``isclose`` says yes must not answer for the test).
+    ``isclose`` says yes must not answer for the test). ``record``: the name of the program function
+    whose calls the outcome lists (``calls``), or None.
     """
     namespace = {"__name__": "__teamrl_test__"}
     phase = "program"
+    recorder = None
     try:
         namespace.update(channel.names())
         for name in modules:
@@ -451,6 +548,8 @@ def judge(test, setup, modules, channel, limit):
         # The problem's own definitions (e.g. a helper the test calls) come from the trusted setup,
         # not from the program, which might have redefined them.
         exec(setup, namespace)
+        if record is not None and isinstance(namespace.get(record), RemoteObject):
+            recorder = namespace[record] = _Recorder(namespace[record])
         exec(test, namespace)
     except ProgramLoadFailed as failure:
         outcome = describe_failure(failure, "program", limit)
@@ -458,9 +557,37 @@ def judge(test, setup, modules, channel, limit):
         outcome = describe_failure(error, phase, limit)
     else:
         outcome = {"passed": True}
-    if channel.opaque_results:
-        outcome["opaque_results"] = channel.opaque_results
+    if recorder is not None:
+        outcome["calls"] = _bounded(recorder.calls)
+    return _with_relayed(outcome, channel)
+
+
+def _with_relayed(outcome, channel):
+    if channel.relayed:
+        outcome["relayed"] = channel.relayed if len(json.dumps(channel.relayed)) <= _MAX_RECORD_BYTES \
+            else [{"unrecordable": True}]
     return outcome
+
+
+def call_directly(call, channel, limit):
+    """Call one of the program's functions with the arguments ``call`` gives (a direct-call test, see
+    the module docstring); the outcome lists the call. It passes when the function returns."""
+    try:
+        function = channel.names().get(call["call"])
+        if not (isinstance(function, RemoteObject) and function._callable):
+            raise NameError(f"the program defines no function {call['call']!r}")
+        args = decode(call["args"], _refuse_handle)
+        kwargs = {name: decode(value, _refuse_handle) for name, value in call["kwargs"]}
+        result = function(*args, **kwargs)
+    except ProgramLoadFailed as failure:
+        return _with_relayed(describe_failure(failure, "program", limit), channel)
+    except BaseException as error:
+        return _with_relayed(describe_failure(error, "test", limit), channel)
+    return _with_relayed({"passed": True, "calls": _bounded([_recorded(args, kwargs, result)])}, channel)
+
+
+def _refuse_handle(body):
+    raise ProtocolError("a direct call's arguments hold a handle")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -564,9 +691,41 @@ def _answer(request, namespace, load_error, handles, limit):
     return reply
 
 
-def _program_process(code, request_fd, reply_fd, limits):
-    """Body of a program process (a fork of the program server): load the program, answer the judge's
-    requests until it closes the pipe. Never returns."""
+class RelayedCallUnanswered(Exception):
+    """A relayed function was called more often than the judge had values for (module docstring)."""
+
+
+def _relay(function, request_fd, reply_fd):
+    """What stands for a relayed function once the program is loaded (see the module docstring): each
+    call (but one from within the function itself) tells the judge its arguments, then runs
+    ``function``, returns the value the judge sent or raises."""
+    inside = []  # calls of the function from within itself (recursion) run as they are
+
+    def relay(*args, **kwargs):
+        if inside:
+            return function(*args, **kwargs)
+        try:
+            call = {"args": encode(list(args), _refuse), "kwargs": encode(dict(kwargs), _refuse)}
+        except (_Unrecordable, RecursionError):
+            call = None
+        _send_frame(reply_fd, {"relay": call})
+        answer = _read_frame(request_fd)
+        if isinstance(answer, dict) and "value" in answer:
+            return decode(answer["value"], _refuse_handle)
+        if answer == _NONE_LEFT:
+            raise RelayedCallUnanswered("no answer left for this call")
+        inside.append(True)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            inside.pop()
+    return relay
+
+
+def _program_process(code, request_fd, reply_fd, limits, relay):
+    """Body of a program process (a fork of the program server): load the program, put the relay in
+    place of the function named ``relay`` (if any), answer the judge's requests until it closes the
+    pipe. Never returns."""
     try:
         os.setpgid(0, 0)
         _keep_only_descriptors({0, 1, 2, request_fd, reply_fd})
@@ -578,6 +737,8 @@ def _program_process(code, request_fd, reply_fd, limits):
             if isinstance(code, BaseException):
                 raise code
             exec(code, namespace)
+            if relay is not None and callable(namespace.get(relay)):
+                namespace[relay] = _relay(namespace[relay], request_fd, reply_fd)
         except BaseException as error:
             load_error = _describe_program_error(error, limit)
         _flush_output()
@@ -634,7 +795,7 @@ def _program_server(control, code_fd):
             pid = os.fork()
             if pid == 0:
                 control.close()
-                _program_process(code, fds[0], fds[1], setup["limits"])
+                _program_process(code, fds[0], fds[1], setup["limits"], setup["relay"])
             for fd in fds:
                 os.close(fd)
             try:
@@ -690,10 +851,11 @@ class _Server:
         server_end.close()
         os.close(code_r)
 
-    def start(self, code, limits, sys_path):
+    def start(self, code, limits, sys_path, relay):
         """Send the program (and only the program) to the server."""
         with os.fdopen(self.code_w, "wb") as code_pipe:
-            code_pipe.write(json.dumps({"code": code, "limits": limits, "sys_path": sys_path}).encode())
+            code_pipe.write(json.dumps({"code": code, "limits": limits, "sys_path": sys_path,
+                                        "relay": relay}).encode())
 
     def _receive(self, deadline):
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -735,10 +897,7 @@ def _parse_outcome(data):
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("passed"), bool):
         return None
-    outcome = {key: raw[key] for key, kind in _OUTCOME_KEYS.items() if isinstance(raw.get(key), kind)}
-    if not all(isinstance(name, str) for name in outcome.get("opaque_results", ())):
-        del outcome["opaque_results"]
-    return outcome
+    return {key: raw[key] for key, kind in _OUTCOME_KEYS.items() if isinstance(raw.get(key), kind)}
 
 
 def _kill_group(pgid):
@@ -817,8 +976,9 @@ def _program_ended(status, cpu, limits):
             "message": f"program process exited with status {os.WEXITSTATUS(status)} without answering"}
 
 
-def run_one(server, test, setup, limits, deadline, own_pid_namespace):
-    """Run one test (its code and the standard modules it reads, see :func:`judge`): a program process
+def run_one(server, test, settings, limits, deadline, own_pid_namespace):
+    """Run one test (its code and the standard modules it reads, see :func:`judge`, or a direct call,
+    see :func:`call_directly`) under the program's ``settings`` (``setup``, ``relay``, ``record``): a program process
     from the server, a judge forked here; wait for the judge's outcome or the deadline, then end every
     process of the test and return the outcome."""
     started = time.monotonic()
@@ -839,8 +999,13 @@ def run_one(server, test, setup, limits, deadline, own_pid_namespace):
         try:
             _keep_only_descriptors({0, 1, 2, request_w, reply_r, outcome_w})
             _set_judge_limits(limits)
-            channel = _Channel(request_w, reply_r, limits["max_message_chars"])
-            outcome = judge(test[0], setup, test[1], channel, limits["max_message_chars"])
+            body, modules = test
+            direct = isinstance(body, dict)
+            relay_values = None if settings["relay"] is None \
+                else body["relay"] if direct and "relay" in body else _RUN
+            channel = _Channel(request_w, reply_r, limits["max_message_chars"], relay_values)
+            outcome = call_directly(body, channel, limits["max_message_chars"]) if direct \
+                else judge(body, settings["setup"], modules, channel, limits["max_message_chars"], settings["record"])
             _flush_output()
             os.write(outcome_w, json.dumps(outcome).encode()[:_MAX_OUTCOME_BYTES])
         finally:
@@ -967,11 +1132,12 @@ def main(argv):
     os.close(null)
     limits = payload["limits"]
     sys.path.extend(path for path in payload["sys_path"] if path not in sys.path)  # started with -S
-    setup = compile(payload["setup"], "<setup>", "exec")
-    tests = [(compile(test, f"<test {index}>", "exec"), modules)
+    settings = {"setup": compile(payload["setup"], "<setup>", "exec"), "relay": payload["relay"],
+                "record": payload["record"]}
+    tests = [(test if isinstance(test, dict) else compile(test, f"<test {index}>", "exec"), modules)
              for index, (test, modules) in enumerate(zip(payload["tests"], payload["modules"]))]
-    _preload(payload["setup"] + "\n" + "\n".join(payload["tests"]))
-    server.start(payload["code"], limits, payload["sys_path"])
+    _preload(payload["setup"] + "\n" + "\n".join(test for test in payload["tests"] if isinstance(test, str)))
+    server.start(payload["code"], limits, payload["sys_path"], payload["relay"])
     del payload
     _emit(result_fd, {"ready": True})
     program_deadline = time.monotonic() + limits["program_timeout_s"]
@@ -990,7 +1156,7 @@ def main(argv):
         else:
             deadline = min(time.monotonic() + limits["test_timeout_s"], program_deadline)
             try:
-                outcome = run_one(server, test, setup, limits, deadline, sandboxed)
+                outcome = run_one(server, test, settings, limits, deadline, sandboxed)
             except ServerLost:
                 server_lost = True
                 outcome = _not_run("the program server was killed (by the program) before this test ran")

@@ -19,6 +19,10 @@ class SandboxLimits:
             scratch files included: a memory cgroup per sandbox where one can be made, else each
             process's address space is cut to ``total_memory_bytes // max_processes`` (see
             ``teamrl.sandbox.cgroups``).
+        cpu_cores: CPU time all the processes of one program may use together per second of wall time
+            (in cores; the rest of the machine is the other sandboxes' and the trainer's): a cpu cgroup
+            per sandbox where one can be made, else the sandbox is pinned to ``ceil(cpu_cores)`` cores
+            (see ``teamrl.sandbox.cgroups``).
         max_processes: processes and threads the sandbox user may have at once (RLIMIT_NPROC),
             the sandbox's own four (driver, program server, judge, program process) included; this
             is what stops fork bombs.
@@ -34,6 +38,7 @@ class SandboxLimits:
     cpu_time_s: int = 3
     memory_bytes: int = 1 << 30
     total_memory_bytes: int = 1 << 30
+    cpu_cores: float = 1.0
     max_processes: int = 16
     max_file_bytes: int = 16 << 20
     max_open_files: int = 64

@@ -4,9 +4,74 @@ from __future__ import annotations
 
 import ast
 import copy
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from teamrl.sandbox._harness import encode
 from teamrl.sandbox.asserts import rewrite_asserts
+
+
+class _Run:
+    def __repr__(self) -> str:
+        return "RUN"
+
+
+#: ``Call.relay`` default: the relayed function runs, as in every snippet test.
+RUN = _Run()
+
+
+def _refuse(value: object) -> None:
+    raise TypeError(f"a {type(value).__name__} is not plain data")
+
+
+def plain_data(value: Any, what: str) -> Any:
+    """``value`` as the sandbox sends it (:func:`teamrl.sandbox._harness.encode`).
+
+    Raises:
+        ValueError: ``value`` is not plain data (None, bool, int, float, complex, str, bytes, and lists,
+            tuples, sets and dicts of them), naming ``what``.
+    """
+    try:
+        return encode(value, _refuse)
+    except (TypeError, RecursionError) as error:
+        raise ValueError(f"{what} must be plain data: {error}") from None
+
+
+@dataclass(frozen=True)
+class Call:
+    """A test that calls one of the program's functions with given arguments; it passes when the call
+    returns, and its outcome lists the call with its result (``TestOutcome.calls``).
+
+    Attributes:
+        function: the name of the program's function.
+        args, kwargs: the arguments, plain data (None, bool, int, float, complex, str, bytes, and lists,
+            tuples, sets and dicts of them).
+        relay: what the program's relayed function (``Program.relay``) returns at its calls during this
+            one, in turn, without running (a call beyond them raises); :data:`RUN` (default): it runs.
+    """
+
+    function: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    relay: Sequence[Any] | _Run = RUN
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.function, str) or not self.function.isidentifier():
+            raise ValueError(f"Call.function must be a Python identifier, got {self.function!r}")
+        object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+        if not all(isinstance(name, str) for name in self.kwargs):
+            raise ValueError("Call.kwargs must have str keys")
+        self.payload()
+
+    def payload(self) -> dict[str, Any]:
+        """The test as the sandbox's driver reads it."""
+        body = {"call": self.function, "args": plain_data(list(self.args), "Call.args"),
+                "kwargs": [[name, plain_data(value, f"Call.kwargs[{name!r}]")] for name, value in self.kwargs.items()]}
+        if self.relay is not RUN:
+            body["relay"] = [plain_data(value, "Call.relay") for value in self.relay]
+        return body
 
 
 @dataclass(frozen=True)
@@ -26,17 +91,25 @@ class Program:
     Attributes:
         code: the program. It runs as a module named ``__teamrl_program__``, so
             ``if __name__ == "__main__":`` blocks are skipped, once per test, in a fresh process.
-        tests: the test snippets.
+        tests: the test snippets, or :class:`Call` tests that call a function directly.
         setup: trusted code run on the test side before each test, never in the program's process:
             the problem's own imports and helper definitions that its tests call (HumanEval/32's
             ``poly``, HumanEval/38's ``encode_cyclic``). Its names take precedence over the
             program's, so a program cannot redefine the yardstick it is measured with. Whatever
             the program itself needs of it must also be in ``code``.
+        relay: the name of a function of the program whose every call asks the test's judge what to
+            do, once the program is loaded: run it, or (in a :class:`Call` test with a ``relay``
+            value) return that value without running it. The same code stands in for it in every
+            test, so nothing in the program's view but that value differs. None: no function is.
+        record: the name of a function of the program whose calls by snippet tests are listed in
+            their outcomes (``TestOutcome.calls``: arguments and result), or None.
     """
 
     code: str
-    tests: tuple[str, ...]
+    tests: tuple[str | Call, ...]
     setup: str = ""
+    relay: str | None = None
+    record: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.code, str):
@@ -49,8 +122,13 @@ class Program:
             raise ValueError(f"Program.setup does not parse: {error}") from error
         if isinstance(self.tests, str):
             raise TypeError("Program.tests must be a sequence of test snippets, got a single str")
+        for label, name in (("relay", self.relay), ("record", self.record)):
+            if name is not None and not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(f"Program.{label} must be a Python identifier or None, got {name!r}")
         object.__setattr__(self, "tests", tuple(self.tests))
         for index, test in enumerate(self.tests):
+            if isinstance(test, Call):
+                continue
             if not isinstance(test, str) or not test.strip():
                 raise ValueError(f"Program.tests[{index}] must be a non-empty str, got {test!r}")
             try:

@@ -5,10 +5,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from teamrl.sandbox._harness import ProtocolError, decode
+
 #: ``ExecutionRecord.status`` values.
 COMPLETED = "completed"  # the driver reported every test (each may still have failed)
 TIMED_OUT = "timed_out"  # the host's wall-clock deadline for the whole program passed
 ABORTED = "aborted"  # the driver ended before reporting every test (the program killed it)
+
+
+def _no_handle(body: object) -> None:
+    raise ProtocolError("a recorded value holds a handle")
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """One call a test made of the program's recorded function (``Program.record``), or a direct call
+    (``teamrl.sandbox.Call``), as the judge sent and received it.
+
+    Attributes:
+        args, kwargs: the arguments.
+        result: what the call returned (None when it raised).
+        raised: the call raised instead of returning.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result: Any = None
+    raised: bool = False
 
 
 @dataclass(frozen=True)
@@ -34,9 +57,10 @@ class TestOutcome:
             ``memory`` (MemoryError, or a process killed for the program's total memory cap),
             ``file_size`` (EFBIG), ``processes`` (fork failed with EAGAIN).
         duration_s: wall time of the test, program loading included.
-        opaque_results: type names of the objects that calls into the program returned to the test
-            as opaque handles (not plain data), in order, at most 8; the type name is the program's
-            word (a program can name its class ``int``).
+        calls: the calls of the program's recorded function this test made (``Program.record``), or
+            the call a ``Call`` test made, as the judge wrote them; read them with :meth:`recorded_calls`.
+        relayed: the calls of the program's relayed function (``Program.relay``) during this test, as
+            the program reported them; read them with :meth:`relayed_calls`.
     """
 
     __test__ = False  # not a pytest test class despite the name
@@ -53,7 +77,8 @@ class TestOutcome:
     signal: str | None = None
     limit: str | None = None
     duration_s: float = 0.0
-    opaque_results: tuple[str, ...] = ()
+    calls: tuple[dict[str, Any], ...] = ()
+    relayed: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TestOutcome:
@@ -61,7 +86,33 @@ class TestOutcome:
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown TestOutcome fields: {sorted(unknown)}")
-        return cls(**{**data, "opaque_results": tuple(data.get("opaque_results", ()))})
+        return cls(**{**data, "calls": tuple(data.get("calls", ())), "relayed": tuple(data.get("relayed", ()))})
+
+    def recorded_calls(self) -> tuple[RecordedCall, ...] | None:
+        """The calls of :attr:`calls`, their values rebuilt; None when one of them could not be recorded
+        (not plain data, or too many or too large to report)."""
+        return _rebuilt(self.calls)
+
+    def relayed_calls(self) -> tuple[RecordedCall, ...] | None:
+        """The calls of :attr:`relayed` (arguments only), their values rebuilt; None when one of them could
+        not be recorded."""
+        return _rebuilt(self.relayed)
+
+
+def _rebuilt(recorded: tuple[dict[str, Any], ...]) -> tuple[RecordedCall, ...] | None:
+    """Recorded calls as the judge wrote them, their values rebuilt; None where one is not readable."""
+    calls = []
+    for call in recorded:
+        try:
+            args = decode(call["args"], _no_handle)
+            kwargs = decode(call["kwargs"], _no_handle)
+            result = decode(call["result"], _no_handle) if "result" in call else None
+        except (KeyError, TypeError, ProtocolError):
+            return None
+        if not (isinstance(args, list) and isinstance(kwargs, dict)):
+            return None
+        calls.append(RecordedCall(tuple(args), kwargs, result, raised=call.get("raised") is True))
+    return tuple(calls)
 
 
 @dataclass(frozen=True)
@@ -78,6 +129,8 @@ class ExecutionRecord:
         sandboxed: False when the program ran without bubblewrap (``allow_unsandboxed``).
         memory_peak_bytes: most memory all the program's processes held at once, as its memory
             cgroup measured it (None without a cgroup, see ``teamrl.sandbox.cgroups``).
+        cpu_time_s: CPU seconds all the program's processes used together, as its cgroup counted them
+            (None without a cgroup that counts CPU time).
     """
 
     tests: tuple[TestOutcome, ...]
@@ -90,6 +143,7 @@ class ExecutionRecord:
     wall_time_s: float = 0.0
     sandboxed: bool = True
     memory_peak_bytes: int | None = None
+    cpu_time_s: float | None = None
 
     @property
     def passed(self) -> int:

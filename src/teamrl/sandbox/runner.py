@@ -6,8 +6,10 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
+import math
 import os
 import py_compile
 import secrets
@@ -16,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +36,9 @@ from teamrl.sandbox.bubblewrap import (
     python_interpreter,
     python_roots,
 )
-from teamrl.sandbox.cgroups import CgroupFactory, MemoryCgroup, memory_cgroups
+from teamrl.sandbox.cgroups import CgroupFactory, SandboxCgroup, sandbox_cgroups
 from teamrl.sandbox.limits import SandboxLimits
-from teamrl.sandbox.program import Program
+from teamrl.sandbox.program import Call, Program
 from teamrl.sandbox.records import ABORTED, COMPLETED, TIMED_OUT, ExecutionRecord, TestOutcome
 from teamrl.sandbox.seccomp import SeccompUnavailableError, filter_descriptor, syscall_filter
 
@@ -69,7 +72,7 @@ class _Backend:
 
 
 def _resolve_backend(allow_unsandboxed: bool) -> _Backend:
-    cgroups = _memory_cgroups()
+    cgroups = _sandbox_cgroups()
     try:
         bwrap, roots = find_bubblewrap(), python_roots()
     except SandboxUnavailableError as error:
@@ -84,12 +87,46 @@ def _resolve_backend(allow_unsandboxed: bool) -> _Backend:
 
 
 @functools.cache
-def _memory_cgroups() -> CgroupFactory | None:
-    factory = memory_cgroups()
+def _sandbox_cgroups() -> CgroupFactory | None:
+    factory = sandbox_cgroups()
     if factory is None:
         _log.info("no writable memory cgroup: each sandboxed process gets total_memory_bytes / max_processes "
                   "of address space instead (see teamrl.sandbox.cgroups)")
+    if factory is None or factory.cpu is None:
+        _log.info("no cpu cgroup: each sandbox is pinned to cpu_cores cores instead (see teamrl.sandbox.cgroups)")
     return factory
+
+
+class _Cores:
+    """Deals out this process's cores to sandboxes pinned by affinity (no cpu cgroup), in turn."""
+
+    def __init__(self) -> None:
+        self.cores = sorted(os.sched_getaffinity(0))
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def pin(self, count: int) -> list[str]:
+        """``taskset`` arguments that run a command on ``count`` of the cores (all, if fewer), or nothing
+        where ``taskset`` is missing (then no CPU cap applies, and the runner says so once)."""
+        taskset = _taskset()
+        if taskset is None:
+            return []
+        with self._lock:
+            start = next(self._next)
+        chosen = [self.cores[(start + offset) % len(self.cores)] for offset in range(min(count, len(self.cores)))]
+        return [taskset, "-c", ",".join(map(str, sorted(chosen)))]
+
+
+@functools.cache
+def _taskset() -> str | None:
+    path = shutil.which("taskset")
+    if path is None:
+        _log.warning("neither a cpu cgroup nor `taskset` (util-linux) here: a sandboxed program may use every "
+                     "core; install util-linux or run with a cpu cgroup (see teamrl.sandbox.cgroups)")
+    return path
+
+
+_CORES = _Cores()
 
 
 def _seccomp_filter(bwrap: Bubblewrap) -> bytes | None:
@@ -230,19 +267,19 @@ def _command(backend: _Backend, limits: SandboxLimits, result_fd: int, seccomp_f
     return sandbox + [python, "-I", "-S", HARNESS_IN_SANDBOX, str(result_fd), str(uid), str(uid), "1"]
 
 
-def _create_cgroup(backend: _Backend, limits: SandboxLimits) -> MemoryCgroup | None:
-    """This program's memory cgroup; None without cgroups, or when the kernel refuses one (then the cap
-    is split over the processes for this program, as without cgroups)."""
+def _create_cgroup(backend: _Backend, limits: SandboxLimits) -> SandboxCgroup | None:
+    """This program's cgroup; None without cgroups, or when the kernel refuses one (then the memory cap
+    is split over the processes and the CPU share kept by affinity for this program, as without cgroups)."""
     if backend.cgroups is None:
         return None
     try:
-        return backend.cgroups.create(limits.total_memory_bytes)
+        return backend.cgroups.create(limits.total_memory_bytes, limits.cpu_cores)
     except OSError as error:
-        _log.warning("could not create a memory cgroup for a sandbox (%s); splitting its memory cap instead", error)
+        _log.warning("could not create a cgroup for a sandbox (%s); splitting its memory cap instead", error)
         return None
 
 
-def _driver_limits(limits: SandboxLimits, cgroup: MemoryCgroup | None) -> dict[str, float | int]:
+def _driver_limits(limits: SandboxLimits, cgroup: SandboxCgroup | None) -> dict[str, float | int]:
     """The per-process limits the driver applies: with no cgroup to cap the total, the total split."""
     values = limits.to_dict()
     if cgroup is None:
@@ -271,17 +308,19 @@ def _end(proc: subprocess.Popen, grace_s: float) -> None:
 
 def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> ExecutionRecord:
     started = time.monotonic()
-    tests = [rewrite_asserts(test) for test in program.tests]
+    tests = [test.payload() if isinstance(test, Call) else rewrite_asserts(test) for test in program.tests]
+    modules = [() if isinstance(test, Call) else standard_modules_read(test) for test in program.tests]
     cgroup = _create_cgroup(backend, limits)
-    payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests,
-                          "modules": [standard_modules_read(test) for test in program.tests],
-                          "limits": _driver_limits(limits, cgroup), "sys_path": []})
+    payload = json.dumps({"code": program.code, "setup": program.setup, "tests": tests, "modules": modules,
+                          "limits": _driver_limits(limits, cgroup), "sys_path": [], "relay": program.relay,
+                          "record": program.record})
     scratch_dir = tempfile.TemporaryDirectory(prefix="teamrl-unsandboxed-") if backend.bwrap is None \
         else contextlib.nullcontext()  # bubblewrap provides the scratch directory itself
     try:
         with scratch_dir as scratch:
             proc, collector, timed_out = _run_sandbox(backend, limits, cgroup, payload, scratch, started)
         memory_peak = cgroup.peak_bytes() if cgroup is not None else None
+        cpu_time = cgroup.cpu_seconds() if cgroup is not None else None
         memory_kills = cgroup.oom_kills() if cgroup is not None else 0
     finally:
         if cgroup is not None:
@@ -299,10 +338,10 @@ def _execute(program: Program, limits: SandboxLimits, backend: _Backend) -> Exec
         stdout=bytes(collector.data["stdout"]).decode(errors="replace"), stderr=stderr,
         stdout_truncated=collector.dropped["stdout"] > 0, stderr_truncated=collector.dropped["stderr"] > 0,
         wall_time_s=round(time.monotonic() - started, 4), sandboxed=backend.bwrap is not None,
-        memory_peak_bytes=memory_peak)
+        memory_peak_bytes=memory_peak, cpu_time_s=round(cpu_time, 4) if cpu_time is not None else None)
 
 
-def _run_sandbox(backend: _Backend, limits: SandboxLimits, cgroup: MemoryCgroup | None, payload: str,
+def _run_sandbox(backend: _Backend, limits: SandboxLimits, cgroup: SandboxCgroup | None, payload: str,
                  scratch: str | None, started: float) -> tuple[subprocess.Popen, _Collector, bool]:
     """Start the sandbox (in ``cgroup``), feed it the payload, collect its output until it ends or the
     program's budget (plus a grace) is spent; (process, collector, whether the deadline passed)."""
@@ -310,6 +349,8 @@ def _run_sandbox(backend: _Backend, limits: SandboxLimits, cgroup: MemoryCgroup 
     seccomp_fd = filter_descriptor(backend.seccomp) if backend.seccomp is not None else None
     passed = (result_w,) if seccomp_fd is None else (result_w, seccomp_fd)
     command = _command(backend, limits, result_w, seccomp_fd)
+    if cgroup is None or not cgroup.cpu_capped:
+        command = _CORES.pin(math.ceil(limits.cpu_cores)) + command
     try:
         proc = subprocess.Popen(
             cgroup.wrap(command) if cgroup is not None else command, stdin=subprocess.PIPE,

@@ -23,6 +23,9 @@ The system calls it refuses, and why:
   ``io_uring_setup`` fail with EPERM): each is a large piece of kernel code reachable without
   privilege where the host's sysctls allow it, and between them the source of many local privilege
   escalations. Without ``io_uring_setup`` the other io_uring calls have no ring to act on.
+- **Widening its own CPU affinity** (``sched_setaffinity`` fails with EPERM): where no cpu cgroup
+  caps a sandbox's CPU share, the sandbox is pinned to its cores by affinity
+  (:mod:`teamrl.sandbox.cgroups`), which any process could otherwise undo for itself.
 
 Not listed because the kernel refuses them anyway: mounts, module loading, ``kexec``, reboot, swap
 and the like need capabilities the sandbox does not have (in root mode it keeps CAP_SETUID and
@@ -46,7 +49,8 @@ class SeccompUnavailableError(RuntimeError):
 
 
 # Refused with EPERM, as where the kernel or its sysctls forbid them (see the module docstring).
-DENIED = ("add_key", "keyctl", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup")
+DENIED = ("add_key", "keyctl", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
+          "sched_setaffinity")
 
 
 @functools.cache

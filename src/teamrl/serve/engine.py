@@ -34,6 +34,7 @@ from teamrl.envs.base import Environment, Item
 from teamrl.inference import context_error
 from teamrl.rollout.continuous import ContinuousBatcher, TokenCompletion, TokenRequest
 from teamrl.rollout.generate import derive_seed
+from teamrl.models.chat import render_chat
 from teamrl.serve.metrics import ServerMetrics
 from teamrl.team import Agent, Team
 
@@ -225,7 +226,7 @@ class ServedTeam:
         if agent.system_prompt and not any(message["role"] == "system" for message in messages):
             messages = [{"role": "system", "content": agent.system_prompt}, *messages]
         if agent.uses_chat_template:
-            return agent.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return render_chat(agent.tokenizer, messages, agent.enable_thinking)
         return "\n\n".join(message["content"] for message in messages)
 
     def sampling(self, agent: Agent, *, max_tokens: int | None, temperature: float | None = None,

@@ -117,7 +117,11 @@ class VLLMProxy:
 
     def request_body(self, job: Job, index: int) -> dict:
         """The ``/v1/completions`` body of agent ``index``'s part of ``job``: its prompt and sampling settings
-        (``max_tokens`` already capped by the agent's own), tokenized and stopped as teamrl does."""
+        (``max_tokens`` already capped by the agent's own), tokenized and stopped as teamrl does.
+
+        Every sampling field is sent, the ones teamrl never applies at their "off" values: vLLM's server fills a
+        field a request leaves out from the served folder's generation_config.json (Qwen3's: top_k 20, top_p
+        0.95), so the agent would be served with other sampling than it was trained with."""
         agent, sampling = self.served.team[index], job.sampling[index]
         body = {
             "model": agent.name,
@@ -126,14 +130,17 @@ class VLLMProxy:
             # teamrl samples temperature 0 at a tiny temperature (greedy); vLLM's greedy is 0.
             "temperature": 0.0 if sampling.temperature <= GREEDY_TEMPERATURE else sampling.temperature,
             "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # -1: off, in every vLLM release
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "n": 1,
             # vLLM's extra parameters: a chat-templated prompt already holds its special tokens.
             "add_special_tokens": not agent.uses_chat_template,
             "stop_token_ids": [int(token) for token in agent.eos_token_ids],
             "skip_special_tokens": True,
         }
-        if sampling.top_k > 0:
-            body["top_k"] = sampling.top_k
         if job.seed is not None:
             body["seed"] = job.seed
         if job.stop:
