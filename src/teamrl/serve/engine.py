@@ -32,9 +32,9 @@ from typing import Any
 from teamrl.config import SamplingConfig
 from teamrl.envs.base import Environment, Item
 from teamrl.inference import context_error
+from teamrl.models.chat import render_chat
 from teamrl.rollout.continuous import ContinuousBatcher, TokenCompletion, TokenRequest
 from teamrl.rollout.generate import derive_seed
-from teamrl.models.chat import render_chat
 from teamrl.serve.metrics import ServerMetrics
 from teamrl.team import Agent, Team
 
