@@ -63,7 +63,7 @@ from teamrl.run_dir import (
     how_to_resume,
     run_config,
 )
-from teamrl.runtime import seed_everything
+from teamrl.runtime import release_freed_memory, seed_everything
 from teamrl.team import Team
 from teamrl.user_code import UserCodeError
 
@@ -232,6 +232,7 @@ class Trainer:
             self._last_tree = tree
             self._last_samples = _samples(tree)
         self.step += 1
+        release_freed_memory()  # what the update freed, before the next step's rollout
         metrics.update({
             "step": self.step,
             "loss": sum(metrics[f"{name}/loss"] for name in names),

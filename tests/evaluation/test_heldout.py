@@ -114,6 +114,8 @@ def test_training_view_names_the_numbers_as_training_logs_them():
     assert samples[2] == {"item": "x", "observations": ["o0", "o1"], "actions": ["a", "b"], "reward": 0.4,
                           "reward_parts": {"syntax": 0.4}, "reward_counts": {"tests_passed": 1.0}}
     assert training_view(metrics, records[:1])[0]["reward/std"] == 0.0
+    two_turns = {**metrics, "turn1/reward_mean": 0.3, "turn2/reward_mean": 0.4}
+    assert training_view(two_turns, records)[0]["reward/turn2/mean"] == 0.4  # as training logs a turn's reward
 
 
 def test_coding_metrics_are_pass_at_k_accuracy_at_k_tests_and_schemes():
@@ -173,5 +175,7 @@ def test_a_multi_turn_episode_answers_the_feedback_and_scores_its_return():
         assert records[0]["counts"]["iou"] == 1.0
         turns = [turn["reward"] for turn in records[0]["earlier_turns"]]
         assert turns == ([0.0, 0.0] if sparse else [pytest.approx(1 / 4 - 0.1), pytest.approx(2 / 3 - 1 / 4)])
+        per_turn = [metrics[f"turn{turn}/reward_mean"] for turn in (1, 2, 3)]
+        assert per_turn == pytest.approx([0.0, 0.0, 0.9] if sparse else [1 / 4 - 0.1, 2 / 3 - 1 / 4, 1 - 2 / 3])
     with pytest.raises(ValueError, match="num_turns: must be >= 1"):
         sample_held_out(copier, env, [item], 1, seed=7, num_turns=0)

@@ -114,8 +114,13 @@ def score(env: Environment, output: MethodOutput, num_samples: int,
     requests = [(episode.item, episode.actions, episode.history) for episode in output.episodes]
     last = checked_rewards(env, requests, env.joint_rewards(requests))
     rewards = [episode_result(episode.history, result) for episode, result in zip(output.episodes, last)]
-    return (method_metrics(env, output, rewards, num_samples, ks),
-            sample_records(env, output.episodes, rewards, num_samples))
+    metrics = method_metrics(env, output, rewards, num_samples, ks)
+    if output.episodes and output.episodes[0].history:  # whether later turns beat the first: the feedback's use
+        turns = [[*(step.reward.total for step in episode.history), result.total]
+                 for episode, result in zip(output.episodes, last)]
+        metrics.update({f"turn{turn}/reward_mean": statistics.fmean(column)
+                        for turn, column in enumerate(zip(*turns), start=1)})
+    return metrics, sample_records(env, output.episodes, rewards, num_samples)
 
 
 def episode_result(history: Sequence[Step], last: RewardResult) -> RewardResult:
@@ -141,7 +146,8 @@ def method_metrics(env: Environment, output: MethodOutput, rewards: Sequence[Rew
     on one scale), ``reward_mean``, ``reward_std``, ``level/PART`` (mean of each reward part),
     ``count/NAME`` (mean of each of the reward's counts, e.g. digit_sum's ``hits``), ``tokens``, ``seconds``,
     ``tokens_per_answer``, ``seconds_per_answer`` (a joint action's share of the batched wall-clock time)
-    and ``tokens_per_s``; for a task graded by tests (:meth:`~teamrl.envs.base.Environment.test_pass_rate`, the
+    and ``tokens_per_s`` (:func:`score` adds ``turnT/reward_mean``, each turn's joint reward, to a multi-turn
+    episode's); for a task graded by tests (:meth:`~teamrl.envs.base.Environment.test_pass_rate`, the
     coding tasks) also ``pass@k``, ``accuracy@k`` (averaged over items, from the item's ``num_samples`` joint
     actions) and ``tests_passed`` (the mean fraction of an item's held tests a joint action passes), and for one
     that names cooperation schemes (:attr:`~teamrl.envs.base.Environment.cooperation_schemes`) ``scheme/NAME``
@@ -259,14 +265,17 @@ def training_view(metrics: dict[str, float], records: Sequence[dict[str, Any]],
 
     ``reward/mean`` and ``reward/std`` are computed as training's own
     (:func:`teamrl.algorithms.advantages.rollout_metrics`: float32, std with Bessel's correction), so a held-out
-    point sits on the reward curve beside them; ``reward/PART`` is ``level/PART`` and ``count/NAME`` stays, both in
-    name order. The records keep the keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).
+    point sits on the reward curve beside them; ``reward/PART`` is ``level/PART``, ``count/NAME`` stays, both in
+    name order, and a multi-turn episode's ``turnT/reward_mean`` is ``reward/turnT/mean`` (training's name).
+    The records keep the keys of training's ``samples.jsonl`` (``reward_parts``, ``reward_counts``).
     """
     totals = torch.tensor([record["reward"] for record in records])
     view = {"reward/mean": float(totals.mean()), "reward/std": float(totals.std()) if totals.numel() > 1 else 0.0}
     view.update({f"reward/{name.removeprefix('level/')}": value for name, value in sorted(metrics.items())
                  if name.startswith("level/")})
     view.update({name: value for name, value in sorted(metrics.items()) if name.startswith("count/")})
+    view.update({f"reward/{name.removesuffix('/reward_mean')}/mean": value for name, value in sorted(metrics.items())
+                 if name.startswith("turn") and name.endswith("/reward_mean")})
     samples = [{"item": record["item"], "observations": record["observations"], "actions": record["actions"],
                 "reward": record["reward"], "reward_parts": record["parts"], "reward_counts": record["counts"],
                 **({"earlier_turns": record["earlier_turns"]} if "earlier_turns" in record else {})}

@@ -36,6 +36,7 @@ from teamrl.config import SamplingConfig
 from teamrl.models.kv_cache import cache_arg, cache_of
 from teamrl.models.lora import RowAdapters
 from teamrl.models.onednn import packed_weights
+from teamrl.runtime import release_freed_memory
 from teamrl.team import Agent, Team
 
 
@@ -174,6 +175,7 @@ class ContinuousBatcher:
                     if not row.future.done():
                         row.future.set_exception(err)
                 self._waiting, self._batches = [], {}
+            release_freed_memory()  # else fragmented arenas grow the process step after step
 
     def _decode_while_busy(self, stopping: bool) -> bool:
         """Admit, step and retire until nothing is in flight (rows arriving meanwhile join); whether to stop after."""
