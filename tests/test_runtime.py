@@ -1,5 +1,6 @@
-"""What every entry point sets up in its process: torch's threads, and a warning when the machine is too busy
-for them, and the allocator's freed memory handed back. (The libraries' quiet output: tests/test_cli.py, tests/models/test_loading.py and, for Ray actors,
+"""What every entry point sets up in its process: torch's threads, a warning when the machine is too busy for
+them, and the allocator's freed memory handed back. (The libraries' quiet output: tests/test_cli.py,
+tests/models/test_loading.py and, for Ray actors,
 tests/distributed/test_ray_backend.py.)"""
 
 from __future__ import annotations
