@@ -34,6 +34,9 @@ MEASURED = ("time/", "tokens/per_second", "memory/")
 #: Metrics first logged after the recordings, each checked by tests of its own (reward/episode/mean: issue #51's
 #: episode return, tests/algorithms/test_advantages.py); left out of the digest, which holds the recorded ones.
 ADDED_SINCE = ("reward/episode/",)
+#: Held-out metrics first reported after the recordings: each turn's reward of a multi-turn episode
+#: (tests/evaluation/test_heldout.py checks them); the recorded ones are compared.
+EVALUATION_ADDED_SINCE = ("reward/turn",)
 LORA = {"training": "lora", "lora": {"r": 4}}
 CONFIGS = {
     # LoRA agents on one shared base, single turn: their micro-batches pooled on two threads.
@@ -284,7 +287,7 @@ def run(name: str, tiny_config, monkeypatch: pytest.MonkeyPatch) -> dict:
         "grad_norm": [step["grad_norm"] for step in computed],
         "parameter_abs_sum": {agent: float(sum(t.double().abs().sum() for t in tensors))
                               for agent, tensors in parameters.items()},
-        "evaluation": evaluation,
+        "evaluation": {key: value for key, value in evaluation.items() if not key.startswith(EVALUATION_ADDED_SINCE)},
         "evaluation_samples": _digest(json.dumps([[s["item"], s["actions"], s["reward"]] for s in samples]).encode()),
     }
 

@@ -101,6 +101,8 @@ class _Watch:
                     allowed = _cores_allowed(pid) if state not in ("Z", "X") and not flags & PF_EXITING else 0.0
                 except (OSError, ValueError):
                     continue
+                if fields["Name"].strip() == "sh":  # the launcher, before it joins the cgroups and execs bubblewrap
+                    continue
                 uid = int(fields["Uid"].split()[1])
                 self.allowed[uid] = max(self.allowed.get(uid, 0.0), allowed)
                 self.cpu[uid, pid] = (int(utime) + int(stime)) / TICKS
