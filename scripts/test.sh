@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run teamrl's test suite. Safe to re-run: installs are skipped when present.
-#   bash scripts/test.sh [pytest args]          the fast stage: every test not marked slow (about 3 minutes)
+#   bash scripts/test.sh [pytest args]          the fast stage: every test not marked slow (about 3.5 minutes)
 #   bash scripts/test.sh --slow [pytest args]   the second stage: learning runs, the bundled model, the sandbox
-#                                               on all of HumanEval, Ray (about 8 minutes); CI runs both
+#                                               on all of HumanEval, Ray (about 22 minutes); CI runs both
 #   bash scripts/test.sh --all [pytest args]    both at once
 set -euo pipefail
 STAGE=(-m "not slow")
