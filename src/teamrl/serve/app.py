@@ -86,12 +86,7 @@ class ChatRequest:
     @classmethod
     def parse(cls, data: Any) -> ChatRequest:
         """Raises RequestError (400) naming the first field that is missing or wrong."""
-        if not isinstance(data, dict):
-            raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
-        model = data.get("model")
-        if not isinstance(model, str) or not model:
-            raise RequestError("missing field 'model': the team's name or TEAM/AGENT (GET /v1/models lists them)",
-                               param="model")
+        model = _model(data, "the team's name or TEAM/AGENT")
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("missing field 'messages': a non-empty list of {\"role\", \"content\"} objects",
@@ -106,11 +101,7 @@ class ChatRequest:
             stream=_flag(data, "stream"),
             include_usage=_flag(stream_options, "include_usage"),
             max_tokens=max_tokens,
-            temperature=_number(data, "temperature", float, 0.0, 2.0),
-            top_p=_number(data, "top_p", float, 0.0, 1.0),
-            seed=_number(data, "seed", int),
-            n=_number(data, "n", int, 1, MAX_CHOICES) or 1,
-            stop=_stops(data),
+            **_sampling_fields(data),
         )
 
 
@@ -131,11 +122,7 @@ class CompletionRequest:
     @classmethod
     def parse(cls, data: Any) -> CompletionRequest:
         """Raises RequestError (400) naming the first field that is missing or wrong."""
-        if not isinstance(data, dict):
-            raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
-        model = data.get("model")
-        if not isinstance(model, str) or not model:
-            raise RequestError("missing field 'model': an agent's name (GET /v1/models lists them)", param="model")
+        model = _model(data, "an agent's name")
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -150,12 +137,26 @@ class CompletionRequest:
                 raise RequestError(f"{name}={data[name]!r} is not supported on /v1/completions; leave it out",
                                    param=name)
         return cls(model=model, prompt=prompt,
-                   max_tokens=_number(data, "max_tokens", int, 1),
-                   temperature=_number(data, "temperature", float, 0.0, 2.0),
-                   top_p=_number(data, "top_p", float, 0.0, 1.0),
-                   seed=_number(data, "seed", int),
-                   n=_number(data, "n", int, 1, MAX_CHOICES) or 1,
-                   stop=_stops(data))
+                   max_tokens=_number(data, "max_tokens", int, 1), **_sampling_fields(data))
+
+
+def _model(data: Any, names: str) -> str:
+    """A request body's ``model``, after checking the body is a JSON object; ``names``: what the model may be."""
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(f"missing field 'model': {names} (GET /v1/models lists them)", param="model")
+    return model
+
+
+def _sampling_fields(data: dict) -> dict[str, Any]:
+    """The sampling fields chat and text completions share, validated."""
+    return {"temperature": _number(data, "temperature", float, 0.0, 2.0),
+            "top_p": _number(data, "top_p", float, 0.0, 1.0),
+            "seed": _number(data, "seed", int),
+            "n": _number(data, "n", int, 1, MAX_CHOICES) or 1,
+            "stop": _stops(data)}
 
 
 def _stops(data: dict) -> tuple[str, ...]:
