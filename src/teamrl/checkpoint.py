@@ -17,7 +17,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,16 +62,26 @@ def agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any) 
 
 
 def restore_agent_state(agent: Agent, optimizer: torch.optim.Optimizer, scheduler: Any, state: AgentState,
-                        source: str | Path) -> None:
-    """Load ``state`` (read from checkpoint ``source``) into a live agent, its optimiser and scheduler."""
+                        source: str | Path,
+                        place: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Load ``state`` (read from checkpoint ``source``) into a live agent, its optimiser and scheduler.
+
+    ``place(saved, live)``: a saved full tensor as the live parameter holds it (its rank's shard under FSDP,
+    :mod:`teamrl.backends.fsdp`); the optimiser's per-parameter tensors are placed the same way."""
     names = parameter_names(agent)
     if set(state.parameters) != set(names.values()):
         raise ValueError(f"checkpoint {source} does not match agent {agent.name!r}'s parameters; "
                          "was it written by a run with another team config?")
     with torch.no_grad():
         for p in agent.parameters:
-            p.copy_(state.parameters[names[id(p)]])
+            saved = state.parameters[names[id(p)]]
+            p.copy_(saved if place is None else place(saved, p))
     optimizer.load_state_dict(state.optim["optimizer"])
+    if place is not None:
+        for p in agent.parameters:  # load_state_dict made the moments plain tensors of the full shape
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                    optimizer.state[p][key] = place(value, p)
     scheduler.load_state_dict(state.optim["scheduler"])
 
 

@@ -54,7 +54,7 @@ from teamrl.algorithms.losses import loss_normalizer, update_loss
 from teamrl.algorithms.update import NonFiniteUpdate, UpdateStats, micro_batches
 from teamrl.backends.local import LocalBackend
 from teamrl.backends.ranks import barrier, is_main_process
-from teamrl.checkpoint import AgentState, parameter_names
+from teamrl.checkpoint import AgentState, parameter_names, restore_agent_state
 from teamrl.config import TrainConfig
 from teamrl.models.precision import set_compute_dtype
 from teamrl.rollout.generate import Generation, generate_team, seeded
@@ -297,19 +297,7 @@ class FSDPBackend(LocalBackend):
 
     def load_states(self, states: Sequence[AgentState], source: str | Path) -> None:
         for agent, optimizer, scheduler, state in zip(self.team, self.optimizers, self.schedulers, states):
-            names = parameter_names(agent)
-            if set(state.parameters) != set(names.values()):
-                raise ValueError(f"checkpoint {source} does not match agent {agent.name!r}'s parameters; "
-                                 "was it written by a run with another team config?")
-            with torch.no_grad():
-                for p in agent.parameters:
-                    p.copy_(_shard_like(state.parameters[names[id(p)]], p))
-            optimizer.load_state_dict(state.optim["optimizer"])
-            for p in agent.parameters:  # load_state_dict made the moments plain tensors of the full shape
-                for key, value in optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                        optimizer.state[p][key] = _shard_like(value, p)
-            scheduler.load_state_dict(state.optim["scheduler"])
+            restore_agent_state(agent, optimizer, scheduler, state, source, place=_shard_like)
 
     def save(self, directory: str | Path, metadata: dict | None = None) -> Path:
         """The team as one process saves it, written by rank 0 from weights gathered on every rank."""
