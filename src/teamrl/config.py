@@ -652,9 +652,6 @@ def check_program(config: TrainConfig, algorithm_class: type) -> None:
     require(config.distributed.backend == "local", "distributed.backend",
             "must be 'local' with env.name='program': the gateway answers the program's calls with the agents of "
             "this process", config.distributed.backend)
-    require(config.rollout.backend == "transformers", "rollout.backend",
-            "must be 'transformers' with env.name='program' (the gateway's continuous batching; vLLM is not wired to "
-            "it yet)", config.rollout.backend)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ class Trainer:
         if isinstance(self.env, ProgramTask):
             from teamrl.serve.gateway import Gateway
 
-            self.gateway = Gateway(self.agents.team, self.env)
+            self.gateway = Gateway(self.agents.team, self.env, engine=self.agents.token_engine())
             self.gateway.start()
         self.agent_names = self.agents.names
         self.algorithm: Algorithm = make_algorithm(config, self.env, self.agents)

@@ -15,15 +15,17 @@ is installed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import random
 import sys
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     logprobs: int | None = None
     detokenize: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -218,6 +221,7 @@ class LLM:
         self.calls: list[tuple[list, list, list | None]] = []
         self.events: list[str] = []
         self.rng = random.Random(0)
+        self.llm_engine = LLMEngine(self)
         self.started.append(self)
 
     @property
@@ -311,6 +315,61 @@ class LLM:
                                 finish_reason="stop" if tokens and tokens[-1] in params.stop_token_ids else "length")
 
 
+class LLMEngine:
+    """vLLM's ``LLMEngine`` (``LLM.llm_engine``) as teamrl's gateway drives it: requests added at any time, each
+    engine step drawing one more token of every request in flight and returning their cumulative outputs (vLLM's
+    default ``RequestOutputKind``), requests aborted by id. A request's tokens are what ``generate`` would draw
+    for it (the same seed and weights), so the two paths can be compared."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.running: dict[str, tuple[RequestOutput, int]] = {}
+        """Request id -> everything it will draw, and how many tokens of it were drawn so far."""
+        self.added: list[tuple[str, list[int], SamplingParams, LoRARequest | None]] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.largest_batch = 0
+
+    def add_request(self, request_id: str, prompt: dict[str, list[int]], params: SamplingParams,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+        if self.llm.asleep:
+            raise RuntimeError("the engine is asleep: wake_up() first")
+        if request_id in self.running:
+            raise ValueError(f"Request id {request_id} already running.")
+        whole = self.llm._answer(0, prompt, params, lora_request, self.llm.model.fingerprint())
+        if params.n != 1:
+            raise ValueError("the stand-in's engine path samples n=1 requests")
+        self.running[request_id] = (whole, 0)
+        self.added.append((request_id, list(prompt["prompt_token_ids"]), params, lora_request))
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, len(self.running))
+        outputs = []
+        for request_id, (whole, drawn) in list(self.running.items()):
+            completion, drawn = whole.outputs[0], drawn + 1
+            finished = drawn >= len(completion.token_ids)
+            partial = CompletionOutput(index=0, text="", token_ids=completion.token_ids[:drawn],
+                                       cumulative_logprob=None,
+                                       logprobs=None if completion.logprobs is None else completion.logprobs[:drawn],
+                                       finish_reason=completion.finish_reason if finished else None)
+            outputs.append(RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=whole.prompt_token_ids,
+                                         outputs=[partial], finished=finished))
+            if finished:
+                del self.running[request_id]
+            else:
+                self.running[request_id] = (whole, drawn)
+        return outputs
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+
 # ------------------------------------------------------------------------------------------------
 # fixtures
 # ------------------------------------------------------------------------------------------------
@@ -335,3 +394,34 @@ def fake_vllm(monkeypatch) -> list[LLM]:
     for name, value in {"vllm": module, "vllm.lora": lora, "vllm.lora.request": request}.items():
         monkeypatch.setitem(sys.modules, name, value)
     return started
+
+
+@contextlib.contextmanager
+def _vllm_can_run_here() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        find_spec = importlib.util.find_spec
+        patch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+        yield
+
+
+@pytest.fixture
+def vllm_can_run_here() -> Callable[[], contextlib.AbstractContextManager]:
+    """``with vllm_can_run_here(): ...``: the config's check that vLLM can run here (a CUDA GPU, the package)
+    passes on this machine, inside the block."""
+    return _vllm_can_run_here
+
+
+@pytest.fixture
+def vllm_trainer(tiny_config) -> Callable[..., Any]:
+    """Factory: ``vllm_trainer(**overrides)`` -> a Trainer on the vLLM backend (with the fake_vllm fixture, on this
+    GPU-less machine); ``rollout`` overrides add to ``backend: vllm``."""
+    from teamrl.train import Trainer
+
+    def make(**overrides: Any) -> Trainer:
+        rollout = {"backend": "vllm", **overrides.pop("rollout", {})}
+        with _vllm_can_run_here():
+            config = tiny_config(rollout=rollout, **overrides)
+        return Trainer(config)
+
+    return make

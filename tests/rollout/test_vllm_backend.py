@@ -81,39 +81,30 @@ def test_rollout_defaults_to_transformers_and_round_trips_overrides():
     assert config.rollout == RolloutConfig(gpu_memory_utilization=0.25, sleep_between_rollouts=True)
 
 
-@contextlib.contextmanager
-def _vllm_can_run_here():
-    """The config's check that vLLM can run here (a CUDA GPU, the package), passed on this machine."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "is_available", lambda: True)
-        find_spec = importlib.util.find_spec
-        patch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
-        yield
-
-
 @pytest.mark.parametrize("sampling, agents, field", [
     ({"temperature": 2.5}, [{"name": "a"}, {"name": "b"}], "team.sampling.temperature"),
     ({"temperature": 0.005}, [{"name": "a"}, {"name": "b"}], "team.sampling.temperature"),
     ({}, [{"name": "a"}, {"name": "b", "sampling": {"temperature": 3.0}}], r"team.agents\[1\].sampling.temperature"),
 ])
-def test_vllm_refuses_temperatures_it_would_reject_or_change(tiny_config_data, sampling, agents, field):
+def test_vllm_refuses_temperatures_it_would_reject_or_change(tiny_config_data, sampling, agents, field,
+                                                            vllm_can_run_here):
     data = tiny_config_data(team={"training": "lora", "sampling": sampling, "agents": agents},
                             rollout={"backend": "vllm"})
-    with _vllm_can_run_here(), pytest.raises(ConfigError, match=rf"^{field}: must be in \[0.01, 2.0\]") as err:
+    with vllm_can_run_here(), pytest.raises(ConfigError, match=rf"^{field}: must be in \[0.01, 2.0\]") as err:
         config_from_dict(data)
     assert "rollout.backend='vllm'" in str(err.value) and "\n" not in str(err.value)
     data["rollout"]["backend"] = "transformers"
     config_from_dict(data)  # transformers samples at any temperature > 0
 
 
-def test_sleep_mode_with_more_than_one_engine_is_refused_at_load_time(tiny_config_data):
+def test_sleep_mode_with_more_than_one_engine_is_refused_at_load_time(tiny_config_data, vllm_can_run_here):
     full = tiny_config_data(team={"training": "full"}, rollout={"backend": "vllm", "sleep_between_rollouts": True})
-    with _vllm_can_run_here(), pytest.raises(ConfigError) as err:
+    with vllm_can_run_here(), pytest.raises(ConfigError) as err:
         config_from_dict(full)  # a fully fine-tuned team of two: an engine each
     message = str(err.value)
     assert message.startswith("rollout.sleep_between_rollouts: vLLM allows one sleep-mode engine per process and "
                               "this team needs 2") and "\n" not in message
-    with _vllm_can_run_here():  # LoRA agents on one base: one engine
+    with vllm_can_run_here():  # LoRA agents on one base: one engine
         assert config_from_dict({**full, "team": {**full["team"], "training": "lora"}}).rollout.sleep_between_rollouts
 
 
@@ -121,14 +112,6 @@ def test_transformers_backend_samples_in_this_process(tiny_config):
     from teamrl.backends.local import LocalBackend
 
     assert type(Trainer(tiny_config(steps=1)).agents) is LocalBackend
-
-
-def _vllm_trainer(tiny_config, **overrides) -> Trainer:
-    """A Trainer on the vLLM backend (with the fake_vllm fixture, on this GPU-less machine)."""
-    rollout = {"backend": "vllm", **overrides.pop("rollout", {})}
-    with _vllm_can_run_here():
-        config = tiny_config(rollout=rollout, **overrides)
-    return Trainer(config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,8 +280,8 @@ def test_the_stand_in_refuses_what_vllm_refuses(fake_vllm, tmp_path, make, error
     assert vllm.SamplingParams(temperature=0.001).temperature == 0.01  # vLLM raises it, with a warning
 
 
-def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, fake_vllm):
-    trainer = _vllm_trainer(tiny_config, steps=3, team={"training": "lora", "lora": {"r": 4}},
+def test_lora_team_trains_with_adapters_synced_after_every_update(fake_vllm, vllm_trainer):
+    trainer = vllm_trainer(steps=3, team={"training": "lora", "lora": {"r": 4}},
                             rollout={"gpu_memory_utilization": 0.3})
     sampler = trainer.agents.sampler
 
@@ -347,18 +330,18 @@ def test_lora_team_trains_with_adapters_synced_after_every_update(tiny_config, f
                                                            ("float16", "auto", "float16"),
                                                            ("float32", "float32", "float32"),
                                                            ("bfloat16", "auto", "bfloat16")])
-def test_vllm_runs_in_16_bits_unless_asked_otherwise(tiny_config, fake_vllm, team_dtype, vllm_dtype, engine, caplog):
+def test_vllm_runs_in_16_bits_unless_asked_otherwise(vllm_trainer, fake_vllm, team_dtype, vllm_dtype, engine, caplog):
     """Also a bfloat16 team trained fully, whose weights are float32 (master weights, teamrl.models.precision)."""
-    trainer = _vllm_trainer(tiny_config, steps=1, team={"dtype": team_dtype}, rollout={"vllm_dtype": vllm_dtype})
+    trainer = vllm_trainer(steps=1, team={"dtype": team_dtype}, rollout={"vllm_dtype": vllm_dtype})
     trainer.agents.sample([["target 9"], ["target 9"]], 2, 0)
     assert [e.kwargs["dtype"] for e in fake_vllm] == [engine, engine]  # two fully fine-tuned agents: two engines
     warned = [r.getMessage() for r in caplog.records if "rollout.vllm_dtype" in r.getMessage()]
     assert bool(warned) == (engine != team_dtype)
 
 
-def test_full_fine_tuning_pushes_weights_into_engines_that_share_the_gpu(tiny_config, fake_vllm):
+def test_full_fine_tuning_pushes_weights_into_engines_that_share_the_gpu(fake_vllm, vllm_trainer):
     # The default share, 0.5, is what both engines take together: at 0.5 each the second would not start.
-    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "full"}, rollout={"max_model_len": 256})
+    trainer = vllm_trainer(steps=2, team={"training": "full"}, rollout={"max_model_len": 256})
     trainer.train_step()
     assert len(fake_vllm) == 2  # each agent owns its model: an engine each
     for engine in fake_vllm:
@@ -394,8 +377,8 @@ def test_a_weight_push_resets_the_prefix_cache(tiny_config, fake_vllm, tmp_path)
         assert torch.equal(pushed.completion_ids, started_on_them.completion_ids)
 
 
-def test_sleep_mode_sleeps_the_engine_between_rollouts(tiny_config, fake_vllm):
-    trainer = _vllm_trainer(tiny_config, steps=2, team={"training": "lora"}, rollout={"sleep_between_rollouts": True})
+def test_sleep_mode_sleeps_the_engine_between_rollouts(fake_vllm, vllm_trainer):
+    trainer = vllm_trainer(steps=2, team={"training": "lora"}, rollout={"sleep_between_rollouts": True})
     trainer.train_step()
     trainer.train_step()
     (engine,) = fake_vllm  # LoRA agents on one base: the one sleep-mode engine vLLM allows in a process
@@ -413,8 +396,8 @@ def test_the_sampler_refuses_sleep_mode_for_several_engines_before_starting_any(
     assert not fake_vllm
 
 
-def test_config_picks_the_vllm_backend(tiny_config, fake_vllm):
-    trainer = _vllm_trainer(tiny_config, steps=1)
+def test_config_picks_the_vllm_backend(fake_vllm, vllm_trainer):
+    trainer = vllm_trainer(steps=1)
     assert isinstance(trainer.agents, VLLMBackend) and isinstance(trainer.agents.sampler, VLLMSampler)
     assert not fake_vllm  # engines start at the first rollout
 
@@ -476,7 +459,7 @@ def test_vllm_samples_the_policy_that_is_being_trained(tiny_config, tmp_path, tr
     assert mismatch() < 0.02  # the engine serves the changed weights, not the old ones
 
 
-def test_fsdp_ranks_gather_what_rank_zeros_vllm_engine_serves(tiny_config, fake_vllm, tmp_path):
+def test_fsdp_ranks_gather_what_rank_zeros_vllm_engine_serves(fake_vllm, tmp_path, vllm_trainer):
     """distributed.backend: fsdp with vLLM rollouts, as a group of one in this process: rank 0's engine starts from
     the gathered base, samples what the unsharded run's engine samples, and after an update gets the adapters as
     the shards now hold them. (The stand-in's samples hash the weights' bytes, so the two runs' second rollouts,
@@ -485,10 +468,10 @@ def test_fsdp_ranks_gather_what_rank_zeros_vllm_engine_serves(tiny_config, fake_
     from safetensors.torch import load_file
 
     def run(backend: str):
-        trainer = _vllm_trainer(tiny_config, steps=1, items_per_step=2, algorithm={"num_generations": 4},
-                                team={"training": "lora", "onednn_linear": False}, optim={"lr": 1e-3},
-                                distributed={"backend": backend}, run_dir=str(tmp_path / backend),
-                                rollout={"gpu_memory_utilization": 0.3})  # both runs' engines fit the fake GPU
+        trainer = vllm_trainer(steps=1, items_per_step=2, algorithm={"num_generations": 4},
+                               team={"training": "lora", "onednn_linear": False}, optim={"lr": 1e-3},
+                               distributed={"backend": backend}, run_dir=str(tmp_path / backend),
+                               rollout={"gpu_memory_utilization": 0.3})  # both runs' engines fit the fake GPU
         with trainer:
             metrics = trainer.train_step()
             states = [state.parameters for state in trainer.agents.states()]

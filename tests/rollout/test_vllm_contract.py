@@ -40,6 +40,8 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 
 REAL_LLM = vllm.LLM
 LLM_METHODS = ("generate", "apply_model", "sleep", "wake_up", "reset_prefix_cache")
+ENGINE_METHODS = ("add_request", "step", "abort_request")
+"""What the gateway calls on ``LLM.llm_engine`` (teamrl.rollout.vllm_continuous)."""
 
 
 def field_names(cls: type) -> set[str]:
@@ -228,6 +230,13 @@ def parameter_names(function: Any) -> set[str]:
 @pytest.mark.parametrize("method", LLM_METHODS)
 def test_the_stand_in_llm_methods_take_a_subset_of_vllms_parameters(vllm_standin, method):
     mine, theirs = parameter_names(getattr(vllm_standin.LLM, method)), parameter_names(getattr(REAL_LLM, method))
+    assert mine <= theirs, mine - theirs
+
+
+@pytest.mark.parametrize("method", ENGINE_METHODS)
+def test_the_stand_in_llm_engine_methods_take_a_subset_of_vllms_parameters(vllm_standin, method):
+    mine = parameter_names(getattr(vllm_standin.LLMEngine, method))
+    theirs = parameter_names(getattr(vllm.LLMEngine, method))
     assert mine <= theirs, mine - theirs
 
 

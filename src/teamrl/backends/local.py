@@ -16,6 +16,7 @@ from teamrl.algorithms.logprobs import token_logprobs
 from teamrl.algorithms.update import make_optimizer, update_agent
 from teamrl.checkpoint import AgentState, agent_state, restore_agent_state
 from teamrl.config import TrainConfig
+from teamrl.rollout.continuous import ContinuousBatcher, TokenEngine
 from teamrl.rollout.generate import Generation, sample_team, seeded
 from teamrl.team import Agent, Team
 
@@ -34,6 +35,11 @@ class LocalBackend:
             optimizer, scheduler = make_optimizer(agent.parameters, config, agent_config.lr)
             self.optimizers.append(optimizer)
             self.schedulers.append(scheduler)
+
+    def token_engine(self, max_rows: int = 64) -> TokenEngine:
+        """What samples a program task's calls, one at a time from many episodes (:mod:`teamrl.serve.gateway`): the
+        continuous batcher over these agents."""
+        return ContinuousBatcher(self.team, max_rows=max_rows)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return sample_team(self.team, observations, num_samples, seed, compile=self.config.rollout.compile)

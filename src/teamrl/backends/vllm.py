@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from teamrl.backends.local import LocalBackend
 from teamrl.config import TrainConfig
+from teamrl.rollout.continuous import TokenEngine
 from teamrl.rollout.generate import Generation
+from teamrl.rollout.vllm_continuous import VLLMTokenEngine
 from teamrl.rollout.vllm_sampler import VLLMSampler
 from teamrl.team import Team
 
@@ -32,6 +34,11 @@ class VLLMBackend(LocalBackend):
         super().__init__(team, config)
         self.sampler = VLLMSampler(config.rollout)
         say_engine_dtype(config)
+
+    def token_engine(self, max_rows: int = 64) -> TokenEngine:
+        """A program task's calls sampled by the same vLLM engines as rollouts
+        (:class:`~teamrl.rollout.vllm_continuous.VLLMTokenEngine`)."""
+        return VLLMTokenEngine(self.team, self.sampler, max_rows=max_rows)
 
     def sample(self, observations: Sequence[list[str]], num_samples: int, seed: int) -> list[Generation]:
         return self.sampler.generate_team(self.team, self.team.prompts(observations), num_samples, seed=seed)

@@ -72,14 +72,15 @@ class TokenCompletion:
     """'stop' (an end-of-sequence token or a stop string) or 'length' (``max_new_tokens`` drawn)."""
 
 
-class ContinuousBatcher:
-    """The one thread that runs a team's models for requests arriving at any time (:meth:`submit`).
+class TokenEngine:
+    """What a caller sees of an engine that samples requests arriving at any time, one thread running the models:
+    :meth:`submit` a :class:`TokenRequest`, get a future of its :class:`TokenCompletion`. The transformers backend's
+    is :class:`ContinuousBatcher`, vLLM's :class:`~teamrl.rollout.vllm_continuous.VLLMTokenEngine`; a subclass
+    runs a busy period (:meth:`_run_busy`: until nothing is waiting or in flight, taking in what arrives meanwhile).
+    Weights must not change while a request is in flight: :meth:`wait_idle` before updating them (each busy period
+    reads them afresh)."""
 
-    Each decoding step runs every row in flight on a base model in one forward pass; rows submitted meanwhile are
-    prefilled (identical prompts of one agent once) and join at the next step; at most ``max_rows`` rows decode
-    at once per base, the others wait their turn. Weights must not change while a request is in flight:
-    :meth:`wait_idle` before updating them (each busy period reads the adapters afresh).
-    """
+    thread_name = "teamrl-token-engine"
 
     def __init__(self, team: Team, *, max_rows: int = 64):
         if max_rows < 1:
@@ -87,24 +88,17 @@ class ContinuousBatcher:
         self.team, self.max_rows = team, max_rows
         self._queue: queue.Queue[_Row | None] = queue.Queue()
         self._waiting: list[_Row] = []
-        self._batches: dict[int, _Batch] = {}
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._idle_lock = threading.Lock()  # a submit never slips between the worker's last look and its idle flag
         self._tokenizer_locks = {id(agent.tokenizer): threading.Lock() for agent in team}
         self._rows: dict[int, _Row] = {}
-        self._prompts: dict[int, tuple[tuple, _PromptCache]] = {}
-        """Per base model: the prompts prefilled lately, with the state of the weights they were computed with."""
-        self.steps = 0
-        """Decoding steps run so far (every base's step counts once)."""
-        self.prefilled_tokens = 0
-        """Prompt tokens run so far (those of an opening an earlier prompt shared are not run again)."""
 
     # ------------------------------------------------------------------------------------------ the callers' side
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="teamrl-continuous-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -118,7 +112,7 @@ class ContinuousBatcher:
         """Queue ``request``; its future gets the :class:`TokenCompletion` (or the error that stopped it).
         Cancelling the future drops the request, at the next step if it is decoding."""
         if self._thread is None:
-            raise RuntimeError("the continuous batcher is not running")
+            raise RuntimeError(f"the {type(self).__name__} is not running")
         agent = self.team[request.agent]
         row = _Row(request, agent, Future(), generator=_generator(request.seed))
         self._rows[id(row.future)] = row
@@ -153,41 +147,40 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------------------------------ the worker's side
 
+    def _in_flight(self) -> list[_Row]:
+        """The rows decoding now."""
+        raise NotImplementedError
+
+    def _run_busy(self, stopping: bool) -> bool:
+        """Sample until nothing is waiting or in flight; whether the stop sentinel came meanwhile."""
+        raise NotImplementedError
+
+    def _went_idle(self) -> None:
+        """Nothing is waiting or in flight any more (the busy period's end, or a failed one)."""
+
     def _work(self) -> None:
         stopping = False
         while True:
-            busy = bool(self._waiting) or any(batch.rows for batch in self._batches.values())
+            busy = bool(self._waiting) or bool(self._in_flight())
             if not busy:
-                self._batches.clear()
+                self._went_idle()
                 with self._idle_lock:
                     if self._queue.empty():
                         self._idle.set()
                 if stopping:
                     return
             stopping = self._drain(block=not busy) or stopping
-            if not self._waiting and not self._batches:
+            if not self._waiting and not self._in_flight():
                 continue
             try:
-                with torch.no_grad(), self._busy_period():
-                    stopping = self._decode_while_busy(stopping)
+                stopping = self._run_busy(stopping)
             except Exception as err:  # no caller may be left waiting, whatever failed
-                for row in self._waiting + [row for batch in self._batches.values() for row in batch.rows]:
+                for row in self._waiting + self._in_flight():
                     if not row.future.done():
                         row.future.set_exception(err)
-                self._waiting, self._batches = [], {}
+                self._waiting = []
+                self._went_idle()
             release_freed_memory()  # else fragmented arenas grow the process step after step
-
-    def _decode_while_busy(self, stopping: bool) -> bool:
-        """Admit, step and retire until nothing is in flight (rows arriving meanwhile join); whether to stop after."""
-        while self._waiting or any(batch.rows for batch in self._batches.values()):
-            self._admit()
-            for batch in self._batches.values():
-                if batch.rows:
-                    batch.step()
-                    self.steps += 1
-                    self._retire(batch)
-            stopping = self._drain(block=False) or stopping
-        return stopping
 
     def _drain(self, block: bool) -> bool:
         """Move queued rows to the waiting list; whether the stop sentinel came."""
@@ -203,6 +196,69 @@ class ContinuousBatcher:
         except queue.Empty:
             pass
         return stop
+
+    def _finish_reason(self, row: _Row) -> str | None:
+        """'stop', 'length' or None (the row goes on); sets ``row.text``."""
+        ended = row.tokens[-1] in row.eos and not row.request.ignore_eos
+        with self._tokenizer_locks[id(row.agent.tokenizer)]:
+            row.text = row.agent.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        for stop in row.request.stop:
+            cut = row.text.find(stop)
+            if cut >= 0:
+                row.text = row.text[:cut]
+                return "stop"
+        row.text = row.text.strip()
+        if ended:
+            return "stop"
+        return "length" if len(row.tokens) >= row.request.sampling.max_new_tokens else None
+
+    def _complete(self, row: _Row, finish: str) -> None:
+        row.future.set_result(TokenCompletion(row.request.agent, list(row.request.prompt_ids), row.tokens,
+                                              row.logprobs, row.text, finish))
+
+
+class ContinuousBatcher(TokenEngine):
+    """The one thread that runs a team's transformers models for requests arriving at any time
+    (:meth:`~TokenEngine.submit`).
+
+    Each decoding step runs every row in flight on a base model in one forward pass; rows submitted meanwhile are
+    prefilled (identical prompts of one agent once) and join at the next step; at most ``max_rows`` rows decode
+    at once per base, the others wait their turn.
+    """
+
+    thread_name = "teamrl-continuous-batcher"
+
+    def __init__(self, team: Team, *, max_rows: int = 64):
+        super().__init__(team, max_rows=max_rows)
+        self._batches: dict[int, _Batch] = {}
+        self._prompts: dict[int, tuple[tuple, _PromptCache]] = {}
+        """Per base model: the prompts prefilled lately, with the state of the weights they were computed with."""
+        self.steps = 0
+        """Decoding steps run so far (every base's step counts once)."""
+        self.prefilled_tokens = 0
+        """Prompt tokens run so far (those of an opening an earlier prompt shared are not run again)."""
+
+    def _in_flight(self) -> list[_Row]:
+        return [row for batch in self._batches.values() for row in batch.rows]
+
+    def _went_idle(self) -> None:
+        self._batches = {}
+
+    def _run_busy(self, stopping: bool) -> bool:
+        with torch.no_grad(), self._busy_period():
+            return self._decode_while_busy(stopping)
+
+    def _decode_while_busy(self, stopping: bool) -> bool:
+        """Admit, step and retire until nothing is in flight (rows arriving meanwhile join); whether to stop after."""
+        while self._waiting or any(batch.rows for batch in self._batches.values()):
+            self._admit()
+            for batch in self._batches.values():
+                if batch.rows:
+                    batch.step()
+                    self.steps += 1
+                    self._retire(batch)
+            stopping = self._drain(block=False) or stopping
+        return stopping
 
     @contextlib.contextmanager
     def _busy_period(self):
@@ -256,25 +312,9 @@ class ContinuousBatcher:
             if finish is None:
                 keep.append(index)
                 continue
-            row.future.set_result(TokenCompletion(row.request.agent, list(row.request.prompt_ids), row.tokens,
-                                                  row.logprobs, row.text, finish))
+            self._complete(row, finish)
         if len(keep) < len(batch.rows):
             batch.keep(keep)
-
-    def _finish_reason(self, row: _Row) -> str | None:
-        """'stop', 'length' or None (the row goes on); sets ``row.text``."""
-        ended = row.tokens[-1] in row.eos and not row.request.ignore_eos
-        with self._tokenizer_locks[id(row.agent.tokenizer)]:
-            row.text = row.agent.tokenizer.decode(row.tokens, skip_special_tokens=True)
-        for stop in row.request.stop:
-            cut = row.text.find(stop)
-            if cut >= 0:
-                row.text = row.text[:cut]
-                return "stop"
-        row.text = row.text.strip()
-        if ended:
-            return "stop"
-        return "length" if len(row.tokens) >= row.request.sampling.max_new_tokens else None
 
 
 @dataclass

@@ -252,36 +252,24 @@ class VLLMSampler:
         the whole weights of an agent's model, where its own are sharded (FSDP gathers them on every rank
         before rank 0 samples): what an engine starts from and what a push sends.
         """
-        groups: dict[int, list[int]] = {}
-        for i, agent in enumerate(team):
-            groups.setdefault(id(agent.model), []).append(i)
-        if self.config.sleep_between_rollouts and len(groups) > 1:
-            # Before any engine starts: vLLM would assert when the second sleep-mode engine starts.
-            raise ConfigError(f"rollout.sleep_between_rollouts: {vllm_sleep_mode_rule(len(groups))} (got True)")
-        memory_share = engine_memory_share(self.config.gpu_memory_utilization, len(groups))
+        groups, memory_share = self.engine_groups(team)
         results: dict[int, Generation] = {}
-        for key, indices in groups.items():
+        for indices in groups:
             agents = [team[i] for i in indices]
             state = None if state_of is None else state_of(agents[0].model)
-            engine = self._engine(key, agents, memory_share, state)
-            if engine.asleep:
-                engine.llm.wake_up()
-                engine.asleep = False
-            self._sync(engine, agents, state)
+            engine = self.ready_engine(team, indices, memory_share, state)
             encoded = [encode_prompts(agent, prompts[i]) for i, agent in zip(indices, agents)]
             requests, params, adapters = [], [], []
             with seeded(None if seed is None else derive_seed(seed, indices[0])):
                 for agent, (ids, mask) in zip(agents, encoded):
                     for row_ids, row_mask in zip(ids, mask):
                         requests.append({"prompt_token_ids": row_ids[row_mask.bool()].tolist()})
-                        params.append(self._vllm.SamplingParams(**sampling_kwargs(
-                            agent.sampling, num_samples, agent.eos_token_ids, seed=int(torch.randint(2**31 - 1, ())))))
-                        adapters.append(self._adapters.get(agent.name))
+                        params.append(self.sampling_params(agent.sampling, num_samples, agent.eos_token_ids,
+                                                           seed=int(torch.randint(2**31 - 1, ()))))
+                        adapters.append(self.adapter_request(agent))
             outputs = engine.llm.generate(requests, params, use_tqdm=False,
                                           lora_request=adapters if agents[0].adapter is not None else None)
-            if self.config.sleep_between_rollouts:
-                engine.llm.sleep(level=1)  # level 1 keeps the weights in CPU memory: no reload on wake-up
-                engine.asleep = True
+            self.rest(engine)
             start = 0
             for i, agent, (ids, mask) in zip(indices, agents, encoded):
                 stop = start + ids.shape[0]
@@ -290,6 +278,44 @@ class VLLMSampler:
                                                      next(agent.model.parameters()).device)
                 start = stop
         return [results[i] for i in range(len(team))]
+
+    def engine_groups(self, team: Team) -> tuple[list[list[int]], float]:
+        """The team's agents grouped by the engine that serves them (the indices of the agents that share a model),
+        and each engine's share of the GPU."""
+        groups: dict[int, list[int]] = {}
+        for i, agent in enumerate(team):
+            groups.setdefault(id(agent.model), []).append(i)
+        if self.config.sleep_between_rollouts and len(groups) > 1:
+            # Before any engine starts: vLLM would assert when the second sleep-mode engine starts.
+            raise ConfigError(f"rollout.sleep_between_rollouts: {vllm_sleep_mode_rule(len(groups))} (got True)")
+        return list(groups.values()), engine_memory_share(self.config.gpu_memory_utilization, len(groups))
+
+    def ready_engine(self, team: Team, indices: list[int], memory_share: float,
+                     state: dict[str, torch.Tensor] | None = None) -> _Engine:
+        """The engine of the agents ``team[indices]`` (one model), started, awake and serving their weights as
+        they are now (read from ``state``, their model's whole weights, where given)."""
+        agents = [team[i] for i in indices]
+        engine = self._engine(id(agents[0].model), agents, memory_share, state)
+        if engine.asleep:
+            engine.llm.wake_up()
+            engine.asleep = False
+        self._sync(engine, agents, state)
+        return engine
+
+    def rest(self, engine: _Engine) -> None:
+        """Put ``engine`` to sleep between rollouts where ``rollout.sleep_between_rollouts`` asks for it."""
+        if self.config.sleep_between_rollouts:
+            engine.llm.sleep(level=1)  # level 1 keeps the weights in CPU memory: no reload on wake-up
+            engine.asleep = True
+
+    def adapter_request(self, agent: Agent) -> Any:
+        """The ``LoRARequest`` serving ``agent``'s adapter as last pushed (None: a model without adapters)."""
+        return self._adapters.get(agent.name) if agent.adapter is not None else None
+
+    def sampling_params(self, sampling: SamplingConfig, num_samples: int, stop_token_ids: list[int], seed: int,
+                        **extra: Any) -> Any:
+        """vLLM's ``SamplingParams`` for one request (:func:`sampling_kwargs`, with vLLM's own ``extra`` fields)."""
+        return self._vllm.SamplingParams(**sampling_kwargs(sampling, num_samples, stop_token_ids, seed), **extra)
 
     # ----------------------------------------------------------------------------------------------
     def _engine(self, key: int, agents: list[Agent], memory_share: float,

@@ -46,6 +46,7 @@ from teamrl.serve.metrics import ServerMetrics, prometheus_text
 from teamrl.serve.vllm_proxy import VLLMProxy
 
 if TYPE_CHECKING:
+    from teamrl.rollout.continuous import TokenEngine
     from teamrl.rollout.episodes import ProgramEpisode
 
 logger = logging.getLogger("teamrl.serve")
@@ -227,7 +228,8 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
                batch_window_ms: float = 10.0, max_batch: int = 32, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                device: str = "cpu", dtype: str = "float32", max_new_tokens: int | None = None,
                vllm_url: str | None = None, vllm_timeout_s: float = 300.0, batching: str = "window",
-               episodes: Mapping[str, ProgramEpisode] | None = None, sample_as_trained: bool = False) -> FastAPI:
+               episodes: Mapping[str, ProgramEpisode] | None = None, sample_as_trained: bool = False,
+               engine: TokenEngine | None = None) -> FastAPI:
     """The FastAPI app serving ``team`` (a saved team's directory, RUN_DIR/team, or a loaded
     :class:`ServedTeam`).
 
@@ -253,6 +255,9 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
             ``/episodes/KEY/v1`` and record every call's tokens in its episode (:mod:`teamrl.serve.gateway`).
         sample_as_trained: every agent samples with its own settings, whatever a request asks (``temperature``,
             ``top_p``): what training needs, so that the policy that samples is the one the update trains.
+        engine: what samples continuous batching's rows (default: a
+            :class:`~teamrl.rollout.continuous.ContinuousBatcher` over ``team``; a training run's gateway passes its
+            backend's, vLLM's where ``rollout.backend: vllm``).
     """
     served = team if isinstance(team, ServedTeam) else ServedTeam.load(team, name=name, device=device, dtype=dtype,
                                                                        max_new_tokens=max_new_tokens)
@@ -267,7 +272,7 @@ def create_app(team: str | Path | ServedTeam, *, name: str | None = None, api_ke
     if vllm_url is not None:
         batcher: Batcher | ContinuousServer | VLLMProxy = VLLMProxy(served, metrics, vllm_url, timeout=vllm_timeout_s)
     elif batching == "continuous":
-        batcher = ContinuousServer(served, metrics, max_rows=max_batch)
+        batcher = ContinuousServer(served, metrics, max_rows=max_batch, engine=engine)
     else:
         batcher = Batcher(served, metrics, window=batch_window_ms / 1000, max_batch=max_batch)
     exact_tokens = isinstance(batcher, ContinuousServer)

@@ -33,7 +33,7 @@ from teamrl.config import SamplingConfig
 from teamrl.envs.base import Environment, Item
 from teamrl.inference import context_error
 from teamrl.models.chat import render_chat
-from teamrl.rollout.continuous import ContinuousBatcher, TokenCompletion, TokenRequest
+from teamrl.rollout.continuous import ContinuousBatcher, TokenCompletion, TokenEngine, TokenRequest
 from teamrl.rollout.generate import derive_seed
 from teamrl.serve.metrics import ServerMetrics
 from teamrl.team import Agent, Team
@@ -366,11 +366,14 @@ class ContinuousServer:
     """:class:`Batcher`'s jobs run by continuous batching (:class:`~teamrl.rollout.continuous.ContinuousBatcher`):
     each of a job's prompts is encoded as training encodes it (or taken as the client's ids), checked against the
     context, and joins the rows decoding at the next step; the job is answered when its last row ends, every answer
-    with its exact tokens (:attr:`AgentAnswer.tokens`). ``max_rows``: the most rows decoding at once per base."""
+    with its exact tokens (:attr:`AgentAnswer.tokens`). ``max_rows``: the most rows decoding at once per base.
+    ``engine``: what samples the rows (default: a :class:`~teamrl.rollout.continuous.ContinuousBatcher` over the
+    served team; a training run's backend gives its own, e.g. vLLM's)."""
 
-    def __init__(self, served: ServedTeam, metrics: ServerMetrics, *, max_rows: int = 64):
+    def __init__(self, served: ServedTeam, metrics: ServerMetrics, *, max_rows: int = 64,
+                 engine: TokenEngine | None = None):
         self.served, self.metrics = served, metrics
-        self.engine = ContinuousBatcher(served.team, max_rows=max_rows)
+        self.engine = engine if engine is not None else ContinuousBatcher(served.team, max_rows=max_rows)
 
     def start(self) -> None:
         self.engine.start()

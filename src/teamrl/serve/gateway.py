@@ -4,7 +4,8 @@ While a program task trains (:class:`~teamrl.envs.program.ProgramTask`), its epi
 endpoint on 127.0.0.1: the same FastAPI app as ``teamrl serve`` (:func:`~teamrl.serve.app.create_app`), its agents
 under their bare names, each episode at a base URL of its own (``/episodes/KEY/v1``: ``OPENAI_BASE_URL`` is
 process-wide, and the episodes run at once). Calls from every episode in flight decode together by continuous
-batching (:class:`~teamrl.rollout.continuous.ContinuousBatcher`), each agent with its current policy and its own
+batching (:class:`~teamrl.rollout.continuous.ContinuousBatcher`, or vLLM's engines with ``rollout.backend: vllm``:
+:class:`~teamrl.rollout.vllm_continuous.VLLMTokenEngine`), each agent with its current policy and its own
 sampling settings, and every call's exact prompt ids, completion ids and sampling log-probs land in its episode
 (:class:`~teamrl.rollout.episodes.ProgramEpisode`): the update trains on those tokens, never re-tokenised text.
 :func:`~teamrl.rollout.episodes.run_episodes` drives it through :meth:`open`, :meth:`close` and :meth:`wait_idle`.
@@ -18,6 +19,7 @@ import time
 import uvicorn
 
 from teamrl.envs.base import Environment
+from teamrl.rollout.continuous import TokenEngine
 from teamrl.rollout.episodes import ProgramEpisode
 from teamrl.serve.app import _GracefulServer, _listening_socket, create_app
 from teamrl.serve.engine import ServedTeam
@@ -29,13 +31,16 @@ START_STOP_SECONDS = 30.0
 
 class Gateway:
     """``team`` on an OpenAI-compatible endpoint of this process, for ``task``'s episodes (a context manager:
-    started on entry, stopped on exit). ``max_rows``: the most calls decoding at once per base model."""
+    started on entry, stopped on exit). ``max_rows``: the most calls decoding at once per base model. ``engine``:
+    what samples the calls (default: the :class:`~teamrl.rollout.continuous.ContinuousBatcher`; a training run
+    passes its backend's :meth:`~teamrl.backends.local.LocalBackend.token_engine`, vLLM's with
+    ``rollout.backend: vllm``)."""
 
-    def __init__(self, team: Team, task: Environment, *, max_rows: int = 64):
+    def __init__(self, team: Team, task: Environment, *, max_rows: int = 64, engine: TokenEngine | None = None):
         self.episodes: dict[str, ProgramEpisode] = {}
         self.served = ServedTeam(team, task, "team")
         self.app = create_app(self.served, batching="continuous", max_batch=max_rows, episodes=self.episodes,
-                              sample_as_trained=True)
+                              sample_as_trained=True, engine=engine)
         self.url = ""
         self._server: _GracefulServer | None = None
         self._thread: threading.Thread | None = None
