@@ -111,9 +111,9 @@ def logprob_drift(team: Team, generations: list[Generation]) -> float:
 async def _single_call(base_url: str, single_prompt: str, role: str, max_tokens: int) -> int:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
-    answer = await client.chat.completions.create(model="planner", max_tokens=max_tokens,
-                                                  messages=tldr_program._chat(role, single_prompt))
+    async with AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
+        answer = await client.chat.completions.create(model="planner", max_tokens=max_tokens,
+                                                      messages=tldr_program._chat(role, single_prompt))
     return answer.usage.completion_tokens
 
 

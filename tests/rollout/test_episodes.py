@@ -40,10 +40,10 @@ def pipeline(item, base_url):
 
 
 async def concurrent(item, base_url):
-    agents = AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
-    asks = [agents.chat.completions.create(model=name, messages=[{"role": "user", "content": item["text"]}])
-            for name in ("first", "second")]
-    answers = await asyncio.gather(*asks)
+    async with AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60) as agents:
+        asks = [agents.chat.completions.create(model=name, messages=[{"role": "user", "content": item["text"]}])
+                for name in ("first", "second")]
+        answers = await asyncio.gather(*asks)
     return float(sum(len(answer.choices[0].message.content) for answer in answers))
 
 

@@ -61,11 +61,13 @@ def run(item: dict, base_url: str) -> RewardResult:
 
 async def parallel(item: dict, base_url: str) -> RewardResult:
     """Both summaries at once, each agent from the text alone: the ``tldr`` task written as a program."""
-    client = AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
     text = _text(item)
-    summary, detailed = await asyncio.gather(
-        client.chat.completions.create(model="planner", messages=_chat(PLANNER, f"Text:\n{text}\n\n{ONE_SENTENCE}"),
-                                       max_tokens=MAX_TOKENS),
-        client.chat.completions.create(model="writer", messages=_chat(DETAILED, f"Text:\n{text}\n\n{IN_DETAIL}"),
-                                       max_tokens=MAX_TOKENS))
+    # Closed here, in the episode's own event loop: left to the garbage collector, the client would close its
+    # connections on a loop that has ended ("Event loop is closed").
+    async with AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
+        summary, detailed = await asyncio.gather(
+            client.chat.completions.create(model="planner", max_tokens=MAX_TOKENS,
+                                           messages=_chat(PLANNER, f"Text:\n{text}\n\n{ONE_SENTENCE}")),
+            client.chat.completions.create(model="writer", max_tokens=MAX_TOKENS,
+                                           messages=_chat(DETAILED, f"Text:\n{text}\n\n{IN_DETAIL}")))
     return tldr_reward(summary.choices[0].message.content, detailed.choices[0].message.content)
