@@ -23,7 +23,8 @@ from teamrl.rollout.vllm_continuous import VLLMTokenEngine
 @pytest.fixture
 def engine(vllm_trainer, fake_vllm):
     """A started VLLMTokenEngine over a tiny LoRA team (two adapters on one base: one engine), and its trainer."""
-    trainer = vllm_trainer(steps=2, team={"training": "lora", "lora": {"r": 4}}, rollout={"gpu_memory_utilization": 0.3})
+    trainer = vllm_trainer(steps=2, team={"training": "lora", "lora": {"r": 4}},
+                           rollout={"gpu_memory_utilization": 0.3})
     token_engine = trainer.agents.token_engine()
     assert isinstance(token_engine, VLLMTokenEngine)
     token_engine.start()
@@ -58,8 +59,8 @@ def test_calls_from_many_episodes_decode_together_with_the_tokens_vllm_drew(engi
         # what vLLM draws for this prompt, seed and adapter, as one generate call would have drawn it
         (whole,) = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False, lora_request=[adapter])
         assert completion.completion_ids == whole.outputs[0].token_ids
-        assert completion.logprobs == [position[token].logprob
-                                       for position, token in zip(whole.outputs[0].logprobs, whole.outputs[0].token_ids)]
+        drawn = whole.outputs[0]
+        assert completion.logprobs == [step[token].logprob for step, token in zip(drawn.logprobs, drawn.token_ids)]
         ended = completion.completion_ids[-1] in agent.eos_token_ids
         assert completion.finish_reason == ("stop" if ended else "length")
         assert completion.text == agent.tokenizer.decode(completion.completion_ids, skip_special_tokens=True).strip()
