@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import textwrap
+import uuid
 
 import pytest
 import torch
+import yaml
 
 from teamrl.config import config_from_dict
 
@@ -204,3 +208,50 @@ def _own_search_folders(monkeypatch):
     from teamrl import imports
 
     monkeypatch.setattr(imports, "_search_folders", list(imports._search_folders))
+
+
+# A program task's project (tests/test_program_training.py, tests/rollout/test_vllm_continuous.py)
+APP = '''
+from openai import OpenAI
+
+TARGET = "good"
+
+
+def run(item, base_url):
+    """A planner -> writer pipeline: the writer reads the planner's plan; the reward counts the target word."""
+    client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
+    plan = client.chat.completions.create(model="planner", messages=[
+        {"role": "user", "content": "plan " + item["topic"]}]).choices[0].message.content
+    text = client.chat.completions.create(model="writer", messages=[
+        {"role": "user", "content": "write " + plan}]).choices[0].message.content
+    planned, written = plan.split(), text.split()
+    return {"plan": planned.count(TARGET) / max(len(planned), 1), "text": written.count(TARGET) / max(len(written), 1)}
+
+
+def broken(item, base_url):
+    client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
+    client.chat.completions.create(model="planner", messages=[{"role": "user", "content": item["topic"]}])
+    raise KeyError("summary")
+'''
+
+
+@pytest.fixture
+def program_project(tmp_path, tiny_config_data):
+    """(config file, module name): a program beside its config and data, as docs/programs.md lays one out."""
+    module = f"my_app_{uuid.uuid4().hex[:8]}"
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / f"{module}.py").write_text(textwrap.dedent(APP))
+    topics = ["good bad", "bad plan", "write good", "plan bad good", "bad", "good good bad", "plan", "write bad"]
+    (folder / "items.jsonl").write_text("".join(json.dumps({"topic": t}) + "\n" for t in topics * 3))
+    data = tiny_config_data(
+        env={"name": "program", "kwargs": {"program": f"{module}:run", "data": "items.jsonl", "eval_split": 4,
+                                           "words": ["good", "bad", "plan", "write"]}},
+        team={"model": "tiny", "training": "lora", "sampling": {"max_new_tokens": 6},
+              "agents": [{"name": "planner"}, {"name": "writer"}]},
+        algorithm={"num_generations": 4}, optim={"lr": 0.02}, steps=2, items_per_step=1,
+        eval={"every_steps": 2, "items": 2, "samples": 2}, logging={"progress_bar": False, "sample_every": 1},
+        run_dir=str(tmp_path / "run"))
+    config = folder / "app.yaml"
+    config.write_text(yaml.safe_dump(data))
+    return config, module

@@ -5,11 +5,8 @@ call stops in the engine; and a program trains end to end through the gateway on
 
 from __future__ import annotations
 
-import json
 import math
-import textwrap
 import time
-import uuid
 from concurrent.futures import CancelledError
 
 import pytest
@@ -113,31 +110,13 @@ def test_a_cancelled_call_stops_in_the_engine(engine, fake_vllm):
     assert llm.llm_engine.aborted == [llm.llm_engine.added[0][0]] and not llm.llm_engine.running
 
 
-APP = '''
-from openai import OpenAI
-
-
-def run(item, base_url):
-    """A planner -> writer pipeline: the writer reads the planner's plan; the reward counts the word 'good'."""
-    client = OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=60)
-    plan = client.chat.completions.create(model="planner", messages=[
-        {"role": "user", "content": "plan " + item["topic"]}]).choices[0].message.content
-    text = client.chat.completions.create(model="writer", messages=[
-        {"role": "user", "content": "write " + plan}]).choices[0].message.content
-    return text.split().count("good") / max(len(text.split()), 1)
-'''
-
-
-def test_a_program_trains_through_the_gateway_on_vllm_engines(vllm_trainer, fake_vllm, tmp_path, monkeypatch):
+def test_a_program_trains_through_the_gateway_on_vllm_engines(vllm_trainer, fake_vllm, program_project, monkeypatch):
     pytest.importorskip("openai")
-    module = f"vllm_app_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent(APP))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    topics = ["good bad", "bad plan", "write good", "plan bad good", "bad", "good good bad"]
-    (tmp_path / "items.jsonl").write_text("".join(json.dumps({"topic": t}) + "\n" for t in topics))
+    config, module = program_project
+    monkeypatch.syspath_prepend(str(config.parent))
     trainer = vllm_trainer(
-        env={"name": "program", "kwargs": {"program": f"{module}:run", "data": str(tmp_path / "items.jsonl"),
-                                           "eval_split": 2, "words": ["good", "bad", "plan", "write"]}},
+        env={"name": "program", "kwargs": {"program": f"{module}:run", "data": str(config.parent / "items.jsonl"),
+                                           "eval_split": 4, "words": ["good", "bad", "plan", "write"]}},
         team={"model": "tiny", "training": "lora", "lora": {"r": 4}, "sampling": {"max_new_tokens": 5},
               "agents": [{"name": "planner"}, {"name": "writer"}]},
         algorithm={"num_generations": 4}, optim={"lr": 0.02}, steps=2, items_per_step=1,
