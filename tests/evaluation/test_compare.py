@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,6 +216,34 @@ def test_the_runner_trains_each_run_in_its_own_process_names_a_failure_and_a_rer
     assert messages == [f"magrpo-seed0: already in {out / 'results.json'}, skipped"]
     with pytest.raises(ValueError, match="magrpo-seed0 was run with other settings"):
         compare.run_all(CompareSettings(**{**settings.__dict__, "eval_items": 3}), [magrpo], out, log=print)
+
+
+def test_a_run_killed_part_way_resumes_from_its_checkpoint_and_ends_as_if_uninterrupted(tiny_config_data, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=4)))
+    settings = CompareSettings(config=str(config), overrides=("items_per_step=2", "checkpoint.save_every=2"),
+                               eval_every_steps=2, eval_items=4, eval_samples=2)
+    whole = compare.train_with_evaluations(compare.run_spec(settings, Contender("plain"), seed=0,
+                                                            out=tmp_path / "whole"))
+    spec = compare.run_spec(settings, Contender("plain"), seed=0, out=tmp_path / "killed")
+    compare.train_with_evaluations(spec)
+    # Killed during step 4's checkpoint: on disk step 2's checkpoint, then step 3's and 4's metrics and step 4's
+    # evaluation, which the resumed run must drop and redo.
+    run_dir = Path(spec["run_dir"])
+    for path in complete_checkpoints(run_dir):
+        if checkpoint_step(path) == 4:
+            shutil.rmtree(path)
+    shutil.rmtree(run_dir / "team")
+    assert compare.resumable(spec)
+    assert not compare.resumable({**spec, "seed": 1}) and not compare.resumable({**spec, "run_dir": str(tmp_path)})
+    resumed = compare.train_with_evaluations(spec)
+    assert [point["step"] for point in resumed["curve"]] == [0, 2, 4] and len(resumed["steps"]) == 4
+    for key in ("reward/mean", "reward/se"):  # training's draws are seeded by step: the same run, point for point
+        assert [point[key] for point in resumed["curve"]] == [point[key] for point in whole["curve"]]
+    assert [step["reward/mean"] for step in resumed["steps"]] == [step["reward/mean"] for step in whole["steps"]]
+    seconds = [point["train_seconds"] for point in resumed["curve"]]
+    assert seconds == sorted(seconds) and seconds[-1] == pytest.approx(sum(s["time/step"] for s in resumed["steps"]))
+    assert (run_dir / "team").is_dir()
 
 
 def test_the_runs_finished_so_far_are_grouped_per_contender_in_seed_order(tmp_path):

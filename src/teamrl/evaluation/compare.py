@@ -9,7 +9,9 @@ draws (the evaluation samples with its own seed), so contenders differ only by w
 
 Each run is a process of its own (``python -m teamrl.evaluation.compare``): its peak memory (RSS) is its
 own and one run cannot leak state into the next. ``OUT/results.json`` is rewritten after every run and a
-re-run skips the runs already there, so a killed comparison continues where it stopped. Files in ``OUT``:
+re-run skips the runs already there, so a killed comparison continues where it stopped; a run killed part way
+resumes from its last checkpoint (every ``checkpoint.save_every`` steps of its config) with its evaluations so
+far, and ends as it would have uninterrupted (training's draws are seeded by step). Files in ``OUT``:
 
 * ``results.md`` / ``results.csv``: per contender over seeds, the held-out return before and after (mean
   and standard error over seeds), the gain, the training minutes to +0.5 and +1.0, the steps, the cost per
@@ -49,9 +51,13 @@ from teamrl.algorithms.base import ALGORITHMS
 from teamrl.config import TrainConfig, load_config
 from teamrl.flags import option
 from teamrl.registry import RegistryError
+from teamrl.run_dir import METRICS_FILE, complete_checkpoints
 
 RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
     "results.json", "results.md", "results.csv", "report.html", "curve.png")
+#: In a run's directory: the spec it was started with, and its held-out evaluations so far (one JSON line
+#: each), what a killed run resumes with.
+RUN_SPEC_JSON, RUN_CURVE_JSONL = "compare_run.json", "compare_curve.jsonl"
 #: Gains over the untrained team whose training minutes the tables report.
 GAINS = (0.5, 1.0)
 
@@ -215,11 +221,34 @@ def item_standard_error(samples: Sequence[Mapping[str, Any]]) -> float:
     return statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
 
 
+def resumable(spec: Mapping[str, Any]) -> bool:
+    """Whether ``spec``'s run directory holds this very run, killed after a checkpoint: it then resumes there."""
+    run_dir = Path(spec["run_dir"])
+    try:
+        started_with = json.loads((run_dir / RUN_SPEC_JSON).read_text())
+    except (OSError, ValueError):
+        return False
+    return started_with == dict(spec) and bool(complete_checkpoints(run_dir))
+
+
+def _step_record(metrics: Mapping[str, float]) -> dict[str, float]:
+    """What results.json keeps of a training step's metrics."""
+    return {key: value for key, value in metrics.items() if key.startswith(("reward/", "time/", "step"))}
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
     """One run, in this process: held-out evaluations at step 0 and on the schedule, training between.
 
-    The run directory is a training run's (config, metrics.jsonl, samples, the last step's checkpoint) and
-    holds the trained team (``team/``, for ``teamrl eval team:PATH``).
+    The run directory is a training run's (config, metrics.jsonl, samples, checkpoints every
+    ``checkpoint.save_every`` steps and at the last) and holds the trained team (``team/``, for ``teamrl eval
+    team:PATH``), the spec (``compare_run.json``) and the evaluations so far (``compare_curve.jsonl``). When it
+    already holds this spec's run, killed after a checkpoint (:func:`resumable`), the run resumes from that
+    checkpoint: its steps come back from metrics.jsonl (training time included), its evaluations up to the
+    checkpoint's step from compare_curve.jsonl.
     """
     from teamrl.train import Trainer
 
@@ -229,14 +258,24 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["threads"])
     overrides = [*spec["overrides"], *spec["contender_overrides"],
                  *([f"steps={spec['steps']}"] if spec["steps"] else []), f"seed={spec['seed']}",
-                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false", "checkpoint.save_every=0",
+                 f"run_dir={spec['run_dir']}", "logging.progress_bar=false",
                  "eval.every_steps=0"]  # the comparison's own schedule below evaluates instead of the trainer's
     config = load_config(spec["config"], overrides)
     every_steps, every_seconds = spec["eval_every_steps"], 60 * spec["eval_every_minutes"]
     budget = 60 * spec["minutes"] if spec["minutes"] else float("inf")
-    curve: list[dict[str, Any]] = []
-    steps: list[dict[str, float]] = []
-    with Trainer(config) as trainer:  # holds the run directory until the run is over
+    run_dir = Path(spec["run_dir"])
+    resume = resumable(spec)
+    with Trainer(config, resume=resume) as trainer:  # holds the run directory until the run is over
+        curve_path = run_dir / RUN_CURVE_JSONL
+        if resume:  # the Trainer has cut metrics.jsonl back to the checkpoint's step
+            steps = [_step_record(metrics) for metrics in _jsonl(run_dir / METRICS_FILE)]
+            curve = [point for point in _jsonl(curve_path) if point["step"] <= trainer.step]
+            print(f"  resumed at step {trainer.step} ({sum(step['time/step'] for step in steps) / 60:.2f} min of "
+                  f"training, {len(curve)} evaluation(s) so far)", flush=True)
+        else:
+            steps, curve = [], []
+            _write_atomically(run_dir / RUN_SPEC_JSON, json.dumps(dict(spec)))
+        _write_atomically(curve_path, "".join(json.dumps(point) + "\n" for point in curve))
 
         def evaluate(train_seconds: float) -> None:
             began = time.perf_counter()
@@ -245,11 +284,13 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
             curve.append({"step": trainer.step, "train_seconds": train_seconds,
                           "eval_seconds": time.perf_counter() - began, "episodes": len(samples),
                           "reward/se": item_standard_error(samples), **metrics})
+            with curve_path.open("a") as lines:
+                lines.write(json.dumps(curve[-1]) + "\n")
             print(f"  step {trainer.step:3d}, {train_seconds / 60:5.2f} min of training: held-out "
                   f"{metrics['reward/mean']:.3f}", flush=True)
 
         def after_step(metrics: dict[str, float]) -> bool:
-            steps.append({key: value for key, value in metrics.items() if key.startswith(("reward/", "time/", "step"))})
+            steps.append(_step_record(metrics))
             train_seconds = sum(step["time/step"] for step in steps)
             last = curve[-1]
             out_of_budget = train_seconds >= budget
@@ -259,7 +300,8 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
                 evaluate(train_seconds)
             return out_of_budget
 
-        evaluate(0.0)
+        if not curve:
+            evaluate(0.0)
         trainer.train(after_step=after_step)
         trainer.save_team()
         max_reward = trainer.env.max_return(config.algorithm.num_turns)  # of an episode: the held-out return's max
@@ -297,10 +339,13 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
     while pending or running:
         while pending and len(running) < settings.parallel:
             key, spec = pending.pop(0)
-            shutil.rmtree(spec["run_dir"], ignore_errors=True)  # a run killed before it reported: start again
             result_file, log_path = out / f"{key}.result.json", out / f"{key}.log"
-            log(f"{key}: training... (log {log_path})")
-            with log_path.open("w") as log_file:
+            if resumable(spec):
+                log(f"{key}: resuming from its last checkpoint... (log {log_path})")
+            else:  # killed before its first checkpoint, or another run's directory: start again
+                shutil.rmtree(spec["run_dir"], ignore_errors=True)
+                log(f"{key}: training... (log {log_path})")
+            with log_path.open("a") as log_file:
                 process = subprocess.Popen([sys.executable, "-m", "teamrl.evaluation.compare", json.dumps(spec),
                                             str(result_file)], stdout=log_file, stderr=subprocess.STDOUT,
                                            env=environment)
