@@ -45,7 +45,6 @@ from teamrl.rewards.base import RewardResult
 from teamrl.rewards.text import (
     char_length_ratio,
     content_jaccard,
-    content_words,
     distinct_word_share,
     token_count,
     transition_categories,
@@ -203,8 +202,8 @@ def writing_feedback(spec: WritingRewardSpec, c1: str, c2: str, names: tuple[str
     is left to gain at level 4; ``names`` are the two parts' names ("one-sentence summary", "detailed summary").
 
     Each line reads the reward's own quantities (word counts, length and distinct-word ratios, transition
-    categories, shared content words: the teammate's words to reuse are named, :func:`words_to_share`), so a team
-    that follows it raises its reward; nothing tells it the reward's formula beyond what a reviewer would say.
+    categories, shared content words), so a team that follows it raises its reward; nothing tells it the reward's
+    formula beyond what a reviewer would say.
     """
     low, high = spec.token_bounds
     counts = (token_count(c1), token_count(c2))
@@ -235,23 +234,12 @@ def writing_feedback(spec: WritingRewardSpec, c1: str, c2: str, names: tuple[str
             hints[seat].append(f"link ideas with more kinds of transition words such as first, because, however, "
                                f"for example, as a result, finally ({len(categories)} kinds so far)")
     if jaccard_score(content_jaccard(c1, c2), spec.jaccard_cap) < 1.0:
-        parts = (c1, c2)
         for seat in (0, 1):
-            words = words_to_share(parts[1 - seat], parts[seat])
-            quoted = [f'"{word}"' for word in words]
-            named = ", such as " + " or ".join(filter(None, (", ".join(quoted[:-1]), quoted[-1]))) if words else ""
-            hints[seat].append(f"use more of the same key words as your teammate's part{named}")
+            hints[seat].append("use more of the same key words as your teammate's part")
     if not hints[0] and not hints[1]:
         return ("Both parts meet every criterion; keep them as they are.",) * 2
     return tuple(f"The lengths and wording fit. To improve, {' and '.join(mine)}." if mine else
                  "Your part fits; keep it as it is." for mine in hints)  # type: ignore[return-value]
-
-
-def words_to_share(teammate: str, mine: str, most: int = 3) -> list[str]:
-    """The teammate's content words that ``mine`` lacks, longest first (the topical ones: "entailment" before
-    "paper"), ties alphabetically, at most ``most``: what the shared-key-words feedback names, because a small
-    model copies words it is shown far more readily than it finds them."""
-    return sorted(content_words(teammate) - content_words(mine), key=lambda word: (-len(word), word))[:most]
 
 
 def tldr_reward(summary: str, detailed: str) -> RewardResult:
