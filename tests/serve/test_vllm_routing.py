@@ -273,3 +273,41 @@ def test_vllm_samples_each_agent_as_it_was_trained_whatever_the_served_folder_sa
         assert agent.sampling.top_k == 0  # the trained sampling: no top-k, no min-p, no penalties
         assert by_agent[agent.name] == {**VLLM_DEFAULTS, "temperature": agent.sampling.temperature,
                                         "top_p": agent.sampling.top_p}
+
+
+def test_a_call_that_fails_while_the_other_agent_generates_answers_at_once(digits_served):
+    """The second agent's call fails while the first's is still running: the first is cancelled and the job
+    gets the second's error (it used to read the cancelled call's result and leave the client waiting)."""
+    from teamrl.serve.engine import Job, RequestError
+    from teamrl.serve.metrics import ServerMetrics
+    from teamrl.serve.vllm_proxy import VLLMProxy
+
+    backend = VLLMProxy(digits_served, ServerMetrics(), "http://127.0.0.1:9/v1")
+    cancelled = []
+
+    async def one_slow_one_failing(client, job, index):
+        if index == 1:
+            raise RequestError("agent 1 failed", status=502)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(index)
+            raise
+
+    backend._complete = one_slow_one_failing
+
+    async def run() -> BaseException:
+        loop = asyncio.get_running_loop()
+        sampling = {i: agent.sampling for i, agent in enumerate(digits_served.team)}
+        job = Job(prompts={0: "a", 1: "b"}, inputs={0: "a", 1: "b"}, sampling=sampling, seed=None, label="x",
+                  future=loop.create_future(), accepted=loop.create_future(), loop=loop)
+        backend.submit(job)
+        try:
+            await asyncio.wait_for(job.future, 5)
+        except RequestError as raised:
+            return raised
+        raise AssertionError("the job succeeded")
+
+    error = asyncio.run(run())
+    assert str(error) == "agent 1 failed" and error.status == 502
+    assert cancelled == [0], "the other agent's vLLM request was not closed"

@@ -102,11 +102,15 @@ class VLLMProxy:
             self.metrics.cancelled(before_generation=False)
             job.resolve(asyncio.CancelledError())  # nobody awaits it: the futures are just cancelled
             return
-        try:
-            answers = [calls[index].result() for index in sorted(job.prompts)]
-        except RequestError as err:
-            job.resolve(err)
+        # The first failure in agent order answers; a call cancelled because another failed has no result.
+        errors = [calls[index].exception() for index in sorted(job.prompts)
+                  if calls[index].done() and not calls[index].cancelled() and calls[index].exception() is not None]
+        if errors:
+            if not isinstance(errors[0], RequestError):
+                raise errors[0]
+            job.resolve(errors[0])
             return
+        answers = [calls[index].result() for index in sorted(job.prompts)]
         self.metrics.generated(requests=1, rows=len(answers),
                                prompt_tokens=sum(answer.prompt_tokens for answer in answers),
                                completion_tokens=sum(answer.completion_tokens for answer in answers),
