@@ -49,15 +49,18 @@ def _quota_files(pid: int) -> list[tuple[Path, Path]]:
     return found
 
 
-def _cores_allowed(pid: int) -> float:
-    """The cores the kernel lets process ``pid`` use: its cpu cgroup's quota, or the cores it may run on."""
+def _cores_allowed(pid: int) -> float | None:
+    """The cores the kernel lets process ``pid`` use: its cpu cgroup's quota, or the cores it may run on;
+    None where its cgroup is gone (it ended and the sandbox removed the cgroup between two reads)."""
     allowed = float(len(os.sched_getaffinity(pid)))
     for quota_file, period_file in _quota_files(pid):
         try:
             quota, period = quota_file.read_text().split() if period_file is None \
                 else (quota_file.read_text().strip(), period_file.read_text().strip())
         except (OSError, ValueError):
-            continue
+            if not quota_file.parent.is_dir():
+                return None
+            continue  # no quota file there: this cgroup caps nothing (the root cgroup, no cpu controller)
         if quota not in ("max", "-1"):
             allowed = min(allowed, int(quota) / int(period))
     return allowed
@@ -74,6 +77,17 @@ def _ours(pid: int) -> bool:
         except (OSError, ValueError):
             return False
     return False
+
+
+def _stat(pid: int) -> tuple[str, int, int, int]:
+    """Process ``pid``'s state letter, flags, user and system CPU ticks (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        state, *rest = stat.read().rsplit(")", 1)[1].split()
+    return state, int(rest[5]), int(rest[10]), int(rest[11])
+
+
+def _running(state: str, flags: int) -> bool:
+    return state not in ("Z", "X") and not flags & PF_EXITING
 
 
 class _Watch:
@@ -94,18 +108,18 @@ class _Watch:
                 try:
                     with open(f"/proc/{pid}/status") as status:
                         fields = dict(line.split(":", 1) for line in status if ":" in line)
-                    with open(f"/proc/{pid}/stat") as stat:
-                        state, *rest = stat.read().rsplit(")", 1)[1].split()
-                    flags, utime, stime = int(rest[5]), rest[10], rest[11]
+                    state, flags, utime, stime = _stat(pid)
                     # a process exiting (or exited) has left its cgroups but still counts its CPU time
-                    allowed = _cores_allowed(pid) if state not in ("Z", "X") and not flags & PF_EXITING else 0.0
+                    allowed = _cores_allowed(pid) if _running(state, flags) else 0.0
+                    if allowed is None or not _running(*_stat(pid)[:2]):  # it ended while being read
+                        allowed = 0.0
                 except (OSError, ValueError):
                     continue
                 if fields["Name"].strip() == "sh":  # the launcher, before it joins the cgroups and execs bubblewrap
                     continue
                 uid = int(fields["Uid"].split()[1])
                 self.allowed[uid] = max(self.allowed.get(uid, 0.0), allowed)
-                self.cpu[uid, pid] = (int(utime) + int(stime)) / TICKS
+                self.cpu[uid, pid] = (utime + stime) / TICKS
                 self.cores.setdefault(uid, set()).add(fields["Cpus_allowed_list"].strip())
 
     def __enter__(self) -> _Watch:
