@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -244,6 +249,59 @@ def test_a_run_killed_part_way_resumes_from_its_checkpoint_and_ends_as_if_uninte
     seconds = [point["train_seconds"] for point in resumed["curve"]]
     assert seconds == sorted(seconds) and seconds[-1] == pytest.approx(sum(s["time/step"] for s in resumed["steps"]))
     assert (run_dir / "team").is_dir()
+
+
+def _workers_of(run_dir: Path) -> list[int]:
+    """Pids of the ``teamrl compare`` workers training into ``run_dir`` (read from /proc: no psutil here)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"teamrl.evaluation.compare" in command and any(str(run_dir).encode() in part for part in command):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_stopping_compare_stops_its_runs_at_a_checkpoint(stop, tiny_config_data, tmp_path):
+    """SIGTERM (or Ctrl-C) to ``teamrl compare`` reaches each run under way, which saves its step and ends before
+    compare does; if compare is killed outright its runs still end (they used to go on, unwatched)."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_data(steps=10_000)))
+    settings = CompareSettings(config=str(config), overrides=("items_per_step=2", "checkpoint.save_every=1000"),
+                               eval_every_steps=10_000, eval_items=2, eval_samples=1)
+    out = tmp_path / "out"
+    script = (f"from teamrl.evaluation import compare; compare.run_all("
+              f"compare.CompareSettings(**{settings.__dict__!r}), [compare.Contender('plain')], {str(out)!r})")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    run_dir = Path(compare.run_spec(settings, Contender("plain"), seed=0, out=out)["run_dir"])
+    try:
+        _stop_and_watch(parent, stop, run_dir)
+    finally:  # a failed check must not leave a 10,000-step run behind
+        parent.kill()
+        for pid in _workers_of(run_dir):
+            os.kill(pid, signal.SIGKILL)
+    steps = [checkpoint_step(path) for path in complete_checkpoints(run_dir)]
+    assert steps and steps[-1] >= 1, "the run did not save the step it stopped after"
+    assert compare.resumable(compare.run_spec(settings, Contender("plain"), seed=0, out=out))
+
+
+def _stop_and_watch(parent: subprocess.Popen, stop: int, run_dir: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").is_file() or not _workers_of(run_dir):
+        assert time.monotonic() < deadline and parent.poll() is None, parent.stdout.read().decode()[-2000:]
+        time.sleep(0.2)
+    parent.send_signal(stop)
+    output = parent.communicate(timeout=120)[0].decode()
+    if stop == signal.SIGTERM:
+        assert not _workers_of(run_dir), "compare ended before its run"
+        assert "stopping: 1 run(s) under way save a checkpoint at the end of their step" in output, output[-2000:]
+    deadline = time.monotonic() + 120
+    while _workers_of(run_dir):
+        assert time.monotonic() < deadline, "the run went on after compare was killed"
+        time.sleep(0.2)
 
 
 def test_the_runs_finished_so_far_are_grouped_per_contender_in_seed_order(tmp_path):

@@ -38,9 +38,11 @@ import os
 import resource
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -336,6 +338,32 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
     environment = dict(os.environ, **({"OMP_NUM_THREADS": str(settings.threads)} if settings.threads else {}))
     running: list[tuple[str, subprocess.Popen, Path]] = []
     failed: list[str] = []
+    try:
+        with _sigterm_interrupts():
+            _run_pending(pending, running, failed, results, results_path, out, settings, environment, log)
+    except KeyboardInterrupt:
+        # Each run stops at the end of the step under way, with a checkpoint the same command resumes from; the
+        # workers have sessions of their own, so this is the one signal they get.
+        log(f"stopping: {len(running)} run(s) under way save a checkpoint at the end of their step; the same "
+            f"command resumes them")
+        for _, process, _ in running:
+            process.send_signal(signal.SIGTERM)
+        for _, process, _ in running:
+            process.wait()
+        raise KeyboardInterrupt(f"compare stopped; the same command resumes it (finished runs: {results_path})") \
+            from None
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out}); the runs that "
+                           f"finished are in {results_path}, and a re-run trains only the missing ones")
+    return {contender.name: [results[run_key(contender.name, seed)] for seed in settings.seeds]
+            for contender in contenders}
+
+
+def _run_pending(pending: list[tuple[str, dict[str, Any]]], running: list[tuple[str, subprocess.Popen, Path]],
+                 failed: list[str], results: dict[str, Any], results_path: Path, out: Path,
+                 settings: CompareSettings, environment: dict[str, str], log: Callable[[str], None]) -> None:
+    """Run's ``pending`` runs ``settings.parallel`` at a time, each a worker process; ``running``, ``failed``
+    and ``results`` (written to ``results_path`` as each run ends) are updated as they go."""
     while pending or running:
         while pending and len(running) < settings.parallel:
             key, spec = pending.pop(0)
@@ -347,8 +375,8 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
                 log(f"{key}: training... (log {log_path})")
             with log_path.open("a") as log_file:
                 process = subprocess.Popen([sys.executable, "-m", "teamrl.evaluation.compare", json.dumps(spec),
-                                            str(result_file)], stdout=log_file, stderr=subprocess.STDOUT,
-                                           env=environment)
+                                            str(result_file), str(os.getpid())], stdout=log_file,
+                                           stderr=subprocess.STDOUT, env=environment, start_new_session=True)
             running.append((key, process, result_file))
         time.sleep(0.5)
         for entry in [entry for entry in running if entry[1].poll() is not None]:
@@ -364,11 +392,22 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
             curve = results[key]["curve"]
             log(f"{key}: held-out {curve[0]['reward/mean']:.3f} -> {curve[-1]['reward/mean']:.3f} "
                 f"after {len(results[key]['steps'])} steps")
-    if failed:
-        raise RuntimeError(f"{len(failed)} run(s) failed: {', '.join(failed)} (logs in {out}); the runs that "
-                           f"finished are in {results_path}, and a re-run trains only the missing ones")
-    return {contender.name: [results[run_key(contender.name, seed)] for seed in settings.seeds]
-            for contender in contenders}
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+class _sigterm_interrupts:  # noqa: N801  (a context manager read as a clause)
+    """While active, SIGTERM interrupts like Ctrl-C (main thread only: elsewhere it keeps its usual effect)."""
+
+    def __enter__(self) -> None:
+        self.previous = signal.signal(signal.SIGTERM, _raise_interrupt) \
+            if threading.current_thread() is threading.main_thread() else None
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 #: A run's settings that differ between the runs of one comparison; the others must match for a fair table.
@@ -698,9 +737,27 @@ def write_report(runs: Mapping[str, Sequence[Mapping[str, Any]]], out: str | Pat
 
 
 def _worker(argv: Sequence[str]) -> None:
-    """``python -m teamrl.evaluation.compare SPEC_JSON RESULT_JSON``: one run, its result written to a file."""
-    spec_json, result_json = argv
+    """``python -m teamrl.evaluation.compare SPEC_JSON RESULT_JSON [PARENT_PID]``: one run, its result written to
+    a file; it gets SIGTERM (stops at the end of its step, with a checkpoint) if ``teamrl compare`` dies."""
+    spec_json, result_json, *parent = argv
+    if parent:
+        _stop_with_parent(int(parent[0]))
     Path(result_json).write_text(json.dumps(train_with_evaluations(json.loads(spec_json))))
+
+
+def _stop_with_parent(parent: int) -> None:
+    """SIGTERM to this process when ``parent`` ends, however it ends (Linux's PR_SET_PDEATHSIG; elsewhere the
+    run goes on alone, as before)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        set_parent_death_signal = 1  # PR_SET_PDEATHSIG
+        libc.prctl(set_parent_death_signal, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":
