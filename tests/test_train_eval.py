@@ -72,11 +72,17 @@ def test_a_resumed_run_drops_the_evaluations_after_its_checkpoint_and_evaluates_
     run_dir = trainer.run_dir
     uninterrupted = _evaluations(run_dir)
     assert [record["step"] for record in uninterrupted] == [0, 2, 4]
-    # As if killed while step 4's checkpoint was being written: its evaluation was logged, its checkpoint lost.
+    # As if killed while step 4's checkpoint was being written: its evaluation was logged, its checkpoint lost,
+    # and each log's last line half written.
     shutil.rmtree(run_dir / "checkpoints" / "step_000004")
+    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+        with (run_dir / name).open("a") as log:
+            log.write('{"step": 5, "reward/me')
     with Trainer(config, resume=True) as resumed:
         assert [record["step"] for record in resumed.evaluations] == [0, 2]
         resumed.train()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in metrics] == [1, 2, 3, 4]
     records = _evaluations(run_dir)
     assert [record["step"] for record in records] == [0, 2, 4]  # step 2 (the checkpoint's) is not evaluated again
     assert [record["reward/mean"] for record in records] == [record["reward/mean"] for record in uninterrupted]

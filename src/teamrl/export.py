@@ -35,7 +35,7 @@ from typing import Any
 
 from teamrl import __version__
 from teamrl.imports import load_object
-from teamrl.run_dir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, TEAM_DIR
+from teamrl.run_dir import CONFIG_FILE, EVAL_FILE, METRICS_FILE, TEAM_DIR, read_records
 
 FORMATS = ("peft", "merged")
 #: The tags every exported model card carries, so a team's repos can be found together on the hub.
@@ -580,7 +580,7 @@ def _run_summary(team_dir: Path, manifest: dict[str, Any]) -> list[str]:
     run_dir = team_dir.parent
     if team_dir.name != TEAM_DIR:
         return lines
-    steps = _jsonl(run_dir / METRICS_FILE)
+    steps = read_records(run_dir / METRICS_FILE)
     rewards = [(step["step"], step["reward/mean"]) for step in steps if "reward/mean" in step and "step" in step]
     if rewards:
         last = rewards[-5:]
@@ -588,7 +588,7 @@ def _run_summary(team_dir: Path, manifest: dict[str, Any]) -> list[str]:
         lines.append(f"- training joint reward (the mean over a step's sampled joint actions): {rewards[0][1]:.3f} at "
                      f"step {rewards[0][0]}" + (f" -> {rewards[-1][1]:.3f} at step {rewards[-1][0]} (mean of the last "
                                                 f"{len(last)} steps: {mean:.3f})" if len(rewards) > 1 else ""))
-    evaluations = [e for e in _jsonl(run_dir / EVAL_FILE) if "reward/mean" in e]
+    evaluations = [e for e in read_records(run_dir / EVAL_FILE) if "reward/mean" in e]
     if evaluations:
         first, last = evaluations[0], evaluations[-1]
         lines.append(f"- held-out joint reward ({last.get('items', '?')} items x {last.get('samples', '?')} samples of "
@@ -598,21 +598,6 @@ def _run_summary(team_dir: Path, manifest: dict[str, Any]) -> list[str]:
         lines += ["", f"<details><summary>The run's {CONFIG_FILE}</summary>", "",
                   _fenced((run_dir / CONFIG_FILE).read_text().rstrip(), "yaml"), "", "</details>"]
     return lines
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file; none if it is missing; a torn last line (a run killed mid-write) skipped."""
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def _task_description(env, manifest: dict[str, Any], env_problem: str | None) -> list[str]:

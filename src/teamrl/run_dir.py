@@ -62,6 +62,23 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
+def read_records(path: str | Path) -> list[dict]:
+    """The records (JSON objects) of one of a run's JSON-lines files, in order; none where the file is missing.
+    A line that does not decode is skipped: a run killed while appending leaves its last line torn."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def resume_command(run_dir: str | Path) -> str:
     """The command that continues the run in ``run_dir`` from its newest checkpoint, from any folder. The run's
     own ``config.yaml`` (written when training starts, :func:`run_config`) holds every setting, overrides

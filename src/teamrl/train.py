@@ -61,6 +61,7 @@ from teamrl.run_dir import (
     clear_run_outputs,
     complete_checkpoints,
     how_to_resume,
+    read_records,
     run_config,
 )
 from teamrl.runtime import release_freed_memory, seed_everything
@@ -484,7 +485,7 @@ class Trainer:
                 _truncate_jsonl(self.run_dir / name, self.step)
         barrier()  # every rank reads eval.jsonl as rank 0 left it: they evaluate at the same steps
         if (self.run_dir / EVAL_FILE).exists():
-            self.evaluations = [json.loads(line) for line in (self.run_dir / EVAL_FILE).read_text().splitlines()]
+            self.evaluations = read_records(self.run_dir / EVAL_FILE)
 
     def _open_writers(self) -> None:
         self._writers = []
@@ -604,9 +605,16 @@ class _StopAtStepEnd:
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of steps up to ``last_step``, as written; a torn last line (a kill while appending) goes."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, TypeError, KeyError):
+            continue
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

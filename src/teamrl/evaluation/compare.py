@@ -53,7 +53,7 @@ from teamrl.algorithms.base import ALGORITHMS
 from teamrl.config import TrainConfig, load_config
 from teamrl.flags import option
 from teamrl.registry import RegistryError
-from teamrl.run_dir import METRICS_FILE, complete_checkpoints
+from teamrl.run_dir import METRICS_FILE, complete_checkpoints, read_records
 
 RESULTS_JSON, RESULTS_MD, RESULTS_CSV, REPORT_HTML, CURVE_PNG = (
     "results.json", "results.md", "results.csv", "report.html", "curve.png")
@@ -238,10 +238,6 @@ def _step_record(metrics: Mapping[str, float]) -> dict[str, float]:
     return {key: value for key, value in metrics.items() if key.startswith(("reward/", "time/", "step"))}
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
     """One run, in this process: held-out evaluations at step 0 and on the schedule, training between.
 
@@ -270,8 +266,8 @@ def train_with_evaluations(spec: Mapping[str, Any]) -> dict[str, Any]:
     with Trainer(config, resume=resume) as trainer:  # holds the run directory until the run is over
         curve_path = run_dir / RUN_CURVE_JSONL
         if resume:  # the Trainer has cut metrics.jsonl back to the checkpoint's step
-            steps = [_step_record(metrics) for metrics in _jsonl(run_dir / METRICS_FILE)]
-            curve = [point for point in _jsonl(curve_path) if point["step"] <= trainer.step]
+            steps = [_step_record(metrics) for metrics in read_records(run_dir / METRICS_FILE)]
+            curve = [point for point in read_records(curve_path) if point["step"] <= trainer.step]
             print(f"  resumed at step {trainer.step} ({sum(step['time/step'] for step in steps) / 60:.2f} min of "
                   f"training, {len(curve)} evaluation(s) so far)", flush=True)
         else:

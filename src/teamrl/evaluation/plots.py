@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 import yaml
 
 from teamrl.envs.code_schemes import SCHEMES
-from teamrl.run_dir import CONFIG_FILE, CURVE_FILE, EVAL_FILE, METRICS_FILE
+from teamrl.run_dir import CONFIG_FILE, CURVE_FILE, EVAL_FILE, METRICS_FILE, read_records
 
 #: One colour per cooperation scheme, in the order of ``SCHEMES``, the same in every plot.
 SCHEME_COLOURS = dict(zip(SCHEMES, ("tab:gray", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown")))
@@ -111,10 +110,10 @@ def plot_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
         ValueError: ``run_dir`` holds no training run (neither file), or nothing was logged there yet.
     """
     run_dir = Path(run_dir)
-    metrics, evaluations = (_read_jsonl(run_dir / name) for name in (METRICS_FILE, EVAL_FILE))
-    if metrics is None and evaluations is None:
+    if not (run_dir / METRICS_FILE).is_file() and not (run_dir / EVAL_FILE).is_file():
         raise ValueError(f"run_dir: {str(run_dir)!r} is not a training run (no {METRICS_FILE} or {EVAL_FILE} in it); "
                          f"give the run_dir of a teamrl train run")
+    metrics, evaluations = read_records(run_dir / METRICS_FILE), read_records(run_dir / EVAL_FILE)
     if not metrics and not evaluations:
         raise ValueError(f"run_dir: {str(run_dir)!r} has logged no step yet; plot it once training has begun")
     config = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) if (run_dir / CONFIG_FILE).is_file() else None
@@ -123,13 +122,6 @@ def plot_run(run_dir: str | Path, path: str | Path | None = None) -> Path:
     title = f"Joint reward during {name.upper()} training" if name else "Joint reward during training"
     return plot_reward_curve(metrics or [], run_dir / CURVE_FILE if path is None else path,
                              held_out=evaluations or [], title=title, num_turns=algorithm.get("num_turns", 1))
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]] | None:
-    """The records of a JSON-lines file; None when there is no such file."""
-    if not path.is_file():
-        return None
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_methods(methods: Sequence[str], series: Mapping[str, Sequence[float]], path: str | Path, *,
