@@ -206,7 +206,8 @@ def _add_compare(commands: argparse._SubParsersAction, parents: Parents) -> None
                     "at the end on the same draws. Writes results.md/.csv/.json, curve.png (return against "
                     "training minutes) and report.html; each run is its own process (its peak memory its own), "
                     "and a re-run skips the runs results.json already has and resumes a run killed part way from "
-                    "its last checkpoint (docs/evaluation.md#teamrl-compare).")
+                    "its last checkpoint; Ctrl-C stops each run under way at the end of its step, with a "
+                    "checkpoint (docs/evaluation.md#teamrl-compare).")
     compare.add_argument("target", metavar="ENV_OR_CONFIG",
                          help="an environment's name, a YAML config file or a preset's name, e.g. demo_tldr_cpu")
     compare.add_argument("overrides", nargs="*", help="field=value overrides of every contender's config")
