@@ -31,6 +31,7 @@ contenders fairly only when every run had the same share (all alone, or all ``pa
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import html
 import json
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -358,7 +359,7 @@ def run_all(settings: CompareSettings, contenders: Sequence[Contender], out: str
 def _run_pending(pending: list[tuple[str, dict[str, Any]]], running: list[tuple[str, subprocess.Popen, Path]],
                  failed: list[str], results: dict[str, Any], results_path: Path, out: Path,
                  settings: CompareSettings, environment: dict[str, str], log: Callable[[str], None]) -> None:
-    """Run's ``pending`` runs ``settings.parallel`` at a time, each a worker process; ``running``, ``failed``
+    """Runs the ``pending`` runs ``settings.parallel`` at a time, each a worker process; ``running``, ``failed``
     and ``results`` (written to ``results_path`` as each run ends) are updated as they go."""
     while pending or running:
         while pending and len(running) < settings.parallel:
@@ -394,16 +395,17 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-class _sigterm_interrupts:  # noqa: N801  (a context manager read as a clause)
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
     """While active, SIGTERM interrupts like Ctrl-C (main thread only: elsewhere it keeps its usual effect)."""
-
-    def __enter__(self) -> None:
-        self.previous = signal.signal(signal.SIGTERM, _raise_interrupt) \
-            if threading.current_thread() is threading.main_thread() else None
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 #: A run's settings that differ between the runs of one comparison; the others must match for a fair table.

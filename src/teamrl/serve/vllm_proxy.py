@@ -103,8 +103,8 @@ class VLLMProxy:
             job.resolve(asyncio.CancelledError())  # nobody awaits it: the futures are just cancelled
             return
         # The first failure in agent order answers; a call cancelled because another failed has no result.
-        errors = [calls[index].exception() for index in sorted(job.prompts)
-                  if calls[index].done() and not calls[index].cancelled() and calls[index].exception() is not None]
+        errors = [error for error in (None if calls[index].cancelled() else calls[index].exception()
+                                      for index in sorted(job.prompts)) if error is not None]
         if errors:
             if not isinstance(errors[0], RequestError):
                 raise errors[0]
