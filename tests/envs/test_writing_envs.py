@@ -309,3 +309,42 @@ def test_a_two_turn_writing_team_trains(tiny_config):
     with Trainer(config) as trainer:
         metrics = trainer.train_step()
     assert metrics["turn2/joint_actions"] == 4.0 and "reward/episode/mean" in metrics
+
+
+def test_keep_holds_an_agents_earlier_text_for_the_reward_and_its_teammate():
+    from teamrl.envs.base import Step
+
+    env = TldrEnv(POSTS, eval_size=2, turns=3, keep=True)
+    item = env.items("eval")[0]
+    first = (SHORT, DETAILED)
+    assert "write only KEEP" in env.next_observations(item, [Step(tuple(env.observe(item)), first,
+                                                                  env.joint_reward(item, first))])[1]
+    # At the first turn KEEP is just a (too short) text; after it, it holds the earlier text, turn after turn.
+    assert env.joint_reward(item, ("KEEP", DETAILED)) == tldr_reward("KEEP", DETAILED)
+    history = [Step(tuple(env.observe(item)), first, env.joint_reward(item, first))]
+    kept = (" keep. ", "A new detailed summary that is too short.")
+    assert env.held_texts(kept, history) == (SHORT, "A new detailed summary that is too short.")
+    assert env.joint_reward(item, kept, history) == tldr_reward(SHORT, "A new detailed summary that is too short.")
+    assert env.individual_rewards(item, ("KEEP", "Keep!"), history) == [
+        result.total for result in TldrEnv.agent_rewards(*first)]
+    history.append(Step(tuple(env.observe(item)), kept, env.joint_reward(item, kept, history)))
+    assert env.held_texts(("KEEP", "KEEP"), history) == (SHORT, "A new detailed summary that is too short.")
+    third = env.next_observations(item, history)[0]
+    assert f"Your one-sentence summary:\n{SHORT}" in third and "KEEP\n" not in third
+    # "KEEP" inside a longer answer is a new text; without keep, KEEP is a text at every turn.
+    assert env.held_texts(("KEEP it short.", "KEEP"), history[:1])[0] == "KEEP it short."
+    assert TldrEnv(POSTS, eval_size=2, turns=2).held_texts(("KEEP", "KEEP"), history[:1]) == ("KEEP", "KEEP")
+    with pytest.raises(ValueError, match=r"env\.kwargs\.keep: KEEP holds a text from an earlier turn"):
+        TldrEnv(POSTS, eval_size=2, keep=True)
+
+
+def test_without_feedback_a_later_turn_shows_both_answers_and_nothing_else():
+    from teamrl.envs.base import Step
+
+    with_feedback, without = (TldrEnv(POSTS, eval_size=2, turns=2, feedback=flag) for flag in (True, False))
+    item = with_feedback.items("eval")[0]
+    history = [Step(tuple(with_feedback.observe(item)), (SHORT, DETAILED), with_feedback.joint_reward(
+        item, (SHORT, DETAILED)))]
+    for shown, hidden in zip(with_feedback.next_observations(item, history), without.next_observations(item, history)):
+        feedback = shown[shown.index("Feedback: "):shown.index("Write your")]
+        assert feedback.strip() and shown.replace(feedback, "") == hidden

@@ -51,6 +51,8 @@ from teamrl.rewards.writing import (
 
 #: Marks where :func:`truncate` cut a text.
 ELLIPSIS = " ..."
+#: The answer that, with ``keep``, holds an agent's previous text (case, spaces and end punctuation ignored).
+KEEP = "KEEP"
 #: A blank line: what separates the single-agent baseline's paragraphs.
 _BLANK_LINE = re.compile(r"\n\s*\n")
 #: The "Paragraph 1:" label the single-agent prompt uses, when a model echoes it.
@@ -98,7 +100,8 @@ class WritingEnv(Environment):
     (:func:`~teamrl.rewards.writing.writing_feedback`: the reward's first failed level, in numbers, or what is left
     to gain) and revises its part. Every turn's joint reward scores the texts the team holds after it (a state
     reward: an episode's return is the sum over its turns, so a team that gets good early and keeps it earns
-    most); with ``sparse`` only the last turn is scored.
+    most); with ``sparse`` only the last turn is scored. With ``keep`` a revising agent may answer :data:`KEEP`
+    to hold its text as it is, so keeping a good part costs one word instead of retyping it at temperature 1.
 
     Args:
         source: ``"aclsum"``, ``"hub"``, a local file path or a hub dataset id (see the module docstring).
@@ -119,6 +122,11 @@ class WritingEnv(Environment):
         turns: the episode's most turns (``algorithm.num_turns`` may play fewer, unless ``sparse``).
         sparse: score only the last of ``turns`` turns (earlier turns earn 0), for the credit-assignment study of
             docs/reports; the shaped default scores every turn.
+        keep: from the second turn on, an agent that answers :data:`KEEP` holds its previous text (the prompt
+            says so); the reward and the teammate then read that text. Without it every revision is a fresh
+            text, and a part that met every criterion is lost to a worse rewrite as often as not.
+        feedback: False leaves the feedback out of a later turn's observation (the two answers stay), to
+            measure what the feedback itself is worth to a team: evaluate it both ways, same items and seed.
 
     Attributes ``source`` (the resolved source: ``"hub"`` becomes the hub dataset id) and ``layout``
     (the fields and eval split in use) record what was loaded.
@@ -159,12 +167,17 @@ class WritingEnv(Environment):
         max_text_chars: int | None = None,
         turns: int = 1,
         sparse: bool = False,
+        keep: bool = False,
+        feedback: bool = True,
     ):
         _check_limit("turns", turns)
         if sparse and turns < 2:
             raise ValueError("env.kwargs.sparse: a sparse reward pays the last of several turns; set env.kwargs.turns "
                              "to 2 or more, or leave sparse out")
-        self.max_turns, self.sparse = turns, sparse
+        if keep and turns < 2:
+            raise ValueError("env.kwargs.keep: KEEP holds a text from an earlier turn; set env.kwargs.turns to 2 or "
+                             "more, or leave keep out")
+        self.max_turns, self.sparse, self.keep, self.feedback = turns, sparse, keep, feedback
         _check_limit("num_train", num_train)
         _check_limit("num_eval", num_eval)
         _check_limit("max_text_chars", max_text_chars, minimum=len(ELLIPSIS) + 1)
@@ -245,7 +258,9 @@ class WritingEnv(Environment):
         observations and of the transition phrases the reward looks for, in first-seen order."""
         observations = (obs for items in self.splits.values() for item in items for obs in self.observe(item))
         phrases = (phrase for group in TRANSITION_CATEGORIES.values() for phrase in group)
-        return list(dict.fromkeys(token for text in (*self.roles, *observations, *phrases) for token in text.split()))
+        extra = (KEEP,) if self.keep else ()
+        return list(dict.fromkeys(token for text in (*self.roles, *observations, *phrases, *extra)
+                                  for token in text.split()))
 
     def single_agent_observation(self, item: Item) -> str:
         """The text, then both agents' instructions as the two paragraphs of one answer."""
@@ -263,13 +278,24 @@ class WritingEnv(Environment):
 
     def next_observations(self, item: Item, history: Sequence[Step]) -> list[str]:
         """After a turn, each agent's first observation, then its own answer, its teammate's and the feedback on
-        them (:func:`~teamrl.rewards.writing.writing_feedback`), and a request to revise its part."""
-        last = self._pair(history[-1].actions)
-        feedback = writing_feedback(self.spec, *last, self.output_names)
+        them (:func:`~teamrl.rewards.writing.writing_feedback`), and a request to revise its part (with ``keep``:
+        or to answer :data:`KEEP`)."""
+        last = self.held_texts(history[-1].actions, history[:-1])
+        feedback = [f"Feedback: {line}\n\n" for line in writing_feedback(self.spec, *last, self.output_names)]
+        keeping = f" If it needs no change, write only {KEEP}." if self.keep else ""
         return [f"{observation}\n\nYour {self.output_names[seat]}:\n{last[seat]}\n\nYour teammate's "
-                f"{self.output_names[1 - seat]}:\n{last[1 - seat]}\n\nFeedback: {feedback[seat]}\n\nWrite your "
-                f"{self.output_names[seat]} again, improved, and nothing else."
+                f"{self.output_names[1 - seat]}:\n{last[1 - seat]}\n\n{feedback[seat] if self.feedback else ''}"
+                f"Write your {self.output_names[seat]} again, improved, and nothing else.{keeping}"
                 for seat, observation in enumerate(self.observe(item))]
+
+    def held_texts(self, actions: Sequence[str], history: Sequence[Step] = ()) -> tuple[str, str]:
+        """The two texts the team holds after a turn that answered ``actions``: each answer, or with ``keep``,
+        where an agent answered :data:`KEEP` after a first turn, the text it held before."""
+        answers = self._pair(actions)
+        if not (self.keep and history):
+            return answers
+        before = self.held_texts(history[-1].actions, history[:-1])
+        return (before[0] if is_keep(answers[0]) else answers[0], before[1] if is_keep(answers[1]) else answers[1])
 
     def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
         super().check_num_turns(num_turns, field)
@@ -281,19 +307,24 @@ class WritingEnv(Environment):
         ``sparse``, 0 (no parts) before the last turn."""
         if self.sparse and len(history) + 1 < self.max_turns:
             return RewardResult(0.0, {})
-        return self.reward(*self._pair(actions))
+        return self.reward(*self.held_texts(actions, history))
 
     def individual_rewards(self, item: Item, actions: Sequence[str], history: Sequence[Step] = ()) -> list[float]:
         """Each agent's own reward (:attr:`agent_rewards`): agent i's depends on ``actions[i]`` alone (with
         ``sparse``, 0 before the last turn, as the joint reward)."""
         if self.sparse and len(history) + 1 < self.max_turns:
             return [0.0] * self.num_agents
-        return [result.total for result in self.agent_rewards(*self._pair(actions))]
+        return [result.total for result in self.agent_rewards(*self.held_texts(actions, history))]
 
     def _pair(self, actions: Sequence[str]) -> tuple[str, str]:
         if len(actions) != self.num_agents:
             raise ValueError(f"{type(self).__name__} needs one completion per agent (2), got {len(actions)}")
         return actions[0], actions[1]
+
+
+def is_keep(answer: str) -> bool:
+    """Whether ``answer`` is :data:`KEEP` (any case, with spaces, quotes or end punctuation around it)."""
+    return answer.strip().strip("\"'.!").strip().upper() == KEEP
 
 
 def _check_limit(name: str, value: int | None, minimum: int = 1) -> None:
