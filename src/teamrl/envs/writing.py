@@ -281,10 +281,11 @@ class WritingEnv(Environment):
         them (:func:`~teamrl.rewards.writing.writing_feedback`), and a request to revise its part (with ``keep``:
         or to answer :data:`KEEP`)."""
         last = self.held_texts(history[-1].actions, history[:-1])
-        feedback = [f"Feedback: {line}\n\n" for line in writing_feedback(self.spec, *last, self.output_names)]
+        feedback = ([f"Feedback: {line}\n\n" for line in writing_feedback(self.spec, *last, self.output_names)]
+                    if self.feedback else ["", ""])
         keeping = f" If it needs no change, write only {KEEP}." if self.keep else ""
         return [f"{observation}\n\nYour {self.output_names[seat]}:\n{last[seat]}\n\nYour teammate's "
-                f"{self.output_names[1 - seat]}:\n{last[1 - seat]}\n\n{feedback[seat] if self.feedback else ''}"
+                f"{self.output_names[1 - seat]}:\n{last[1 - seat]}\n\n{feedback[seat]}"
                 f"Write your {self.output_names[seat]} again, improved, and nothing else.{keeping}"
                 for seat, observation in enumerate(self.observe(item))]
 
@@ -295,7 +296,8 @@ class WritingEnv(Environment):
         if not (self.keep and history):
             return answers
         before = self.held_texts(history[-1].actions, history[:-1])
-        return (before[0] if is_keep(answers[0]) else answers[0], before[1] if is_keep(answers[1]) else answers[1])
+        first, second = (earlier if is_keep(answer) else answer for answer, earlier in zip(answers, before))
+        return first, second
 
     def check_num_turns(self, num_turns: int, field: str = "algorithm.num_turns") -> None:
         super().check_num_turns(num_turns, field)
